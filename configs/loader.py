@@ -1,0 +1,176 @@
+"""Recipe loading: TOML -> `extends` base -> dotted overrides -> OmegaConf structured merge.
+
+Every problem is collected before anything fails, so a user fixes a recipe in one pass:
+unknown keys come with "did you mean", wrong types with the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import OmegaConf
+
+from .schema import Recipe, sections
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a recipe: the field, the value, and what to do."""
+
+    field: str
+    value: Any
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field} = {self.value!r}: {self.message}"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run, with every problem found."""
+
+    def __init__(self, problems: Sequence[Problem], source: str = "recipe"):
+        self.problems = list(problems)
+        self.source = source
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{source}: {len(self.problems)} problem(s)\n{lines}")
+
+
+def embedded_recipes() -> dict[str, Path]:
+    """Recipes shipped inside the package (the repo's recipes/ folder), by stem."""
+    folder = resources.files("meshforge.recipes")
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".toml")}
+
+
+def resolve_recipe_path(arg: str | None) -> Path:
+    """A file path, or the name of an embedded recipe; None = the embedded default."""
+    if arg is None:
+        arg = "debug_cpu"
+    path = Path(arg)
+    if path.is_file():
+        return path
+    shipped = embedded_recipes()
+    if path.stem in shipped and (path.suffix in ("", ".toml")) and not path.exists():
+        return shipped[path.stem]
+    hint = difflib.get_close_matches(path.stem, shipped, n=1)
+    fix = f"did you mean {hint[0]!r}? " if hint else ""
+    raise RecipeError(
+        [Problem("recipe", arg, f"no such file; {fix}embedded recipes: {', '.join(sorted(shipped))}")], "recipe"
+    )
+
+
+def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe, merging it over its `extends` base (recursively, cycles refused)."""
+    path = path.resolve()
+    if path in _seen:
+        raise RecipeError([Problem("extends", str(path), "recipes extend each other in a cycle")], str(path))
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError([Problem("toml", str(path), f"not valid TOML: {e}")], str(path)) from None
+    base_name = data.pop("extends", None)
+    if base_name is None:
+        return data
+    base_path = (path.parent / base_name) if not Path(base_name).is_absolute() else Path(base_name)
+    if not base_path.is_file():
+        raise RecipeError([Problem("extends", base_name, f"base recipe not found at {base_path}")], str(path))
+    return _deep_merge(read_toml(base_path, _seen + (path,)), data)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[Problem]]:
+    """`train.steps=20 mesh.tp=2` -> nested dict (values parsed as YAML scalars)."""
+    problems, good = [], []
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            problems.append(Problem("override", o, "expected key=value, e.g. train.steps=20"))
+        else:
+            good.append(o)
+    return OmegaConf.to_container(OmegaConf.from_dotlist(good)), problems
+
+
+def check_keys_and_types(raw: dict) -> list[Problem]:
+    """Unknown sections/keys (with a suggestion) and values of the wrong type."""
+    problems: list[Problem] = []
+    secs = sections()
+    top_fields = {f.name: f for f in dataclasses.fields(Recipe)}
+    for key, value in raw.items():
+        if key not in top_fields:
+            problems.append(_unknown(key, value, list(top_fields)))
+        elif key in secs:
+            if not isinstance(value, dict):
+                problems.append(Problem(key, value, f"[{key}] is a section: write it as a TOML table"))
+                continue
+            cls = secs[key]
+            names = [f.name for f in dataclasses.fields(cls)]
+            for k, v in value.items():
+                if k not in names:
+                    problems.append(_unknown(f"{key}.{k}", v, names, prefix=f"{key}."))
+                else:
+                    problems += _check_type(cls, k, v, f"{key}.{k}")
+        else:
+            problems += _check_type(Recipe, key, value, key)
+    return problems
+
+
+def _unknown(name: str, value: Any, choices: list[str], prefix: str = "") -> Problem:
+    leaf = name.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, choices, n=1, cutoff=0.6)
+    hint = f"did you mean {prefix}{close[0]!r}?" if close else f"valid keys: {', '.join(choices)}"
+    return Problem(name, value, f"unknown key; {hint}")
+
+
+def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
+    try:
+        OmegaConf.merge(OmegaConf.structured(cls), {key: value})
+        return []
+    except Exception:  # OmegaConf's ValidationError and friends: we only need the type
+        hint = typing.get_type_hints(cls)[key]
+        expected = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        return [Problem(name, value, f"wrong type: expected {expected}")]
+
+
+def load_recipe(
+    path_or_name: str | Path | None,
+    overrides: Sequence[str] = (),
+    world_size: int | None = None,
+) -> Recipe:
+    """Load, merge and validate a recipe; -1 fields come back resolved for `world_size`.
+
+    Raises RecipeError listing every problem.
+    """
+    from .validate import resolve_and_validate
+
+    path = resolve_recipe_path(None if path_or_name is None else str(path_or_name))
+    raw = read_toml(path)
+    over, problems = parse_overrides(overrides)
+    raw = _deep_merge(raw, over)
+    problems += check_keys_and_types(raw)
+    if problems:
+        raise RecipeError(problems, str(path))
+    recipe: Recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), raw))
+    if recipe.run_name is None:
+        import time
+
+        recipe.run_name = f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    problems = resolve_and_validate(recipe, world_size)
+    if problems:
+        raise RecipeError(problems, str(path))
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """Plain nested dict (for run.json, W&B config, --print-config)."""
+    return dataclasses.asdict(recipe)

@@ -1,0 +1,183 @@
+"""The recipe schema: one dataclass per section, each field with a one-line doc.
+
+TOML recipes are only data; this file is the single source of truth for what a recipe
+may say, its defaults, and (through `field_doc`) the help that `meshforge explain` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+def F(default: Any, doc: str) -> Any:
+    """A dataclass field with a default and a one-line doc (read by `meshforge explain`)."""
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata={"doc": doc})
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    name: str = F("llama3", "model family in the registry (meshforge.models)")
+    flavor: str = F("debug", "named size of the family: debug, 1b, 8b, ...")
+    # Size overrides: None keeps the flavor's value. They let a GPU recipe run on a laptop.
+    dim: Optional[int] = F(None, "override: model width")
+    n_layers: Optional[int] = F(None, "override: number of transformer blocks")
+    n_heads: Optional[int] = F(None, "override: attention heads")
+    n_kv_heads: Optional[int] = F(None, "override: key/value heads (GQA); must divide n_heads")
+    vocab_size: Optional[int] = F(None, "override: vocabulary size (must cover the tokenizer)")
+    multiple_of: Optional[int] = F(None, "override: FFN hidden size is rounded up to this")
+    ffn_dim_multiplier: Optional[float] = F(None, "override: FFN hidden size multiplier")
+    max_seq_len: Optional[int] = F(None, "override: longest sequence RoPE is precomputed for")
+    tie_embeddings: Optional[bool] = F(None, "override: share tok_embeddings and output weights")
+    norm_eps: Optional[float] = F(None, "override: RMSNorm epsilon")
+
+
+@dataclass
+class MeshConfig:
+    dp_replicate: int = F(1, "data-parallel replicas (DDP, or the outer dim of HSDP); -1 = the rest")
+    dp_shard: int = F(-1, "FSDP shard degree; -1 = the rest of the world size")
+    tp: int = F(1, "tensor-parallel degree (heads and FFN split across ranks)")
+    pp: int = F(1, "pipeline-parallel degree (layers split into stages)")
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = F(True, "free gathered params after forward (saves memory, costs a 2nd all-gather)")
+    param_dtype: str = F("float32", "dtype of compute params: float32 | bfloat16 (autocast when FSDP is off)")
+    reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16")
+    cpu_offload: bool = F(False, "keep sharded params, grads and optimizer state on the CPU")
+
+
+@dataclass
+class TPConfig:
+    sequence_parallel: bool = F(True, "shard norms and residuals along the sequence between TP regions")
+    loss_parallel: bool = F(True, "keep logits vocab-sharded and compute cross-entropy in parallel")
+
+
+@dataclass
+class PPConfig:
+    schedule: str = F("1F1B", "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV")
+    microbatches: int = F(-1, "microbatches per step per pipeline; -1 = number of stages")
+    stages_per_rank: int = F(1, "virtual stages per rank (2+ for interleaved/looped/V schedules)")
+    layers_per_stage: Optional[List[int]] = F(None, "explicit layer count per stage, e.g. [3, 5]; None = balanced")
+    embedding_weight: float = F(1.0, "tok_embeddings counted as this many layers when balancing stages")
+    output_weight: float = F(1.0, "norm + output counted as this many layers when balancing stages")
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = F("none", "none | full | selective (every Nth block)")
+    selective_every: int = F(2, "with mode=selective: checkpoint every Nth transformer block")
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = F(False, "torch.compile each transformer block")
+    backend: str = F("inductor", "torch.compile backend")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = F("adamw", "optimizer: adamw")
+    lr: float = F(3e-4, "peak learning rate")
+    betas: List[float] = F([0.9, 0.95], "AdamW betas")
+    eps: float = F(1e-8, "AdamW epsilon")
+    weight_decay: float = F(0.1, "decoupled weight decay")
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = F(0, "linear warmup steps from 0 to lr")
+    decay: str = F("cosine", "decay after warmup: cosine | linear | constant")
+    min_lr_ratio: float = F(0.1, "final lr as a fraction of the peak lr")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = F(100, "optimizer steps to train")
+    seq_len: int = F(128, "tokens per sample")
+    global_batch_size: int = F(-1, "samples per optimizer step = micro_batch_size * grad_accum_steps * dp; -1 = derive")
+    micro_batch_size: int = F(8, "samples per forward/backward on one data-parallel rank; -1 = derive")
+    grad_accum_steps: int = F(1, "micro-batches accumulated per step; -1 = derive")
+    max_norm: float = F(1.0, "gradient clipping max norm; 0 disables clipping")
+    device: str = F("auto", "auto (cuda if available) | cpu | cuda")
+    cpu_threads: int = F(0, "torch threads per process on CPU; 0 = cores / local processes")
+    deterministic: bool = F(False, "use deterministic algorithms (slower on CUDA)")
+
+
+@dataclass
+class DataConfig:
+    source: str = F("synthetic", "synthetic (seeded Markov source) | text (local files) | hf (HF datasets)")
+    path: Optional[str] = F(None, "text: glob of local files; hf: local data files (json/parquet/text) glob")
+    hf_dataset: Optional[str] = F(None, "hf: dataset name on the hub (needs a network); or use path")
+    hf_format: str = F("text", "hf with path: loader format: text | json | parquet")
+    text_column: str = F("text", "hf: column with the text")
+    tokenizer: str = F("byte", "byte (no download) | path to a HuggingFace tokenizer.json")
+    markov_branching: int = F(4, "synthetic: successors per token (lower = easier, lower floor)")
+    seed: int = F(1234, "seed of the data stream (independent of the model seed)")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = F(1, "log metrics every N steps")
+    tensorboard: bool = F(True, "write TensorBoard events next to metrics.jsonl")
+    wandb: bool = F(True, "mirror metrics to Weights & Biases")
+    wandb_project: str = F("meshforge", "W&B project")
+    wandb_entity: Optional[str] = F(None, "W&B entity (team or user)")
+    wandb_group: Optional[str] = F(None, "W&B group (sweeps set it)")
+    wandb_tags: List[str] = F([], "W&B tags")
+    wandb_mode: Optional[str] = F(None, "online | offline | disabled; None = WANDB_MODE, else online with a key, offline without")
+    progress: bool = F(True, "show a rich progress bar and summary in the terminal")
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = F(False, "save distributed checkpoints (arrives with the checkpoint issue)")
+    folder: str = F("checkpoints", "checkpoint folder, relative to the run folder")
+    interval: int = F(500, "save every N steps")
+    keep_latest: int = F(2, "keep only the newest K checkpoints; 0 keeps all")
+    load: Optional[str] = F(None, "path or 'latest' to resume from")
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = F(ModelConfig(), "the transformer")
+    mesh: MeshConfig = F(MeshConfig(), "the device mesh")
+    fsdp: FSDPConfig = F(FSDPConfig(), "FSDP2 policy")
+    tp: TPConfig = F(TPConfig(), "tensor-parallel policy")
+    pp: PPConfig = F(PPConfig(), "pipeline-parallel policy")
+    activation_checkpoint: ActivationCheckpointConfig = F(ActivationCheckpointConfig(), "activation checkpointing")
+    compile: CompileConfig = F(CompileConfig(), "torch.compile")
+    optimizer: OptimizerConfig = F(OptimizerConfig(), "optimizer")
+    lr_scheduler: LRSchedulerConfig = F(LRSchedulerConfig(), "learning-rate schedule")
+    train: TrainConfig = F(TrainConfig(), "the training loop")
+    data: DataConfig = F(DataConfig(), "the data stream")
+    logging: LoggingConfig = F(LoggingConfig(), "loggers")
+    checkpoint: CheckpointConfig = F(CheckpointConfig(), "checkpoints")
+    output_dir: str = F("outputs", "where run folders are written")
+    run_name: Optional[str] = F(None, "run folder name; None = <recipe>-<timestamp>")
+    seed: int = F(0, "model-init seed; the same seed gives the same weights on every mesh")
+    extends: Optional[str] = F(None, "base recipe this one is merged over (path relative to this file)")
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, for every section of a Recipe (model, mesh, ...)."""
+    return {
+        f.name: f.default_factory
+        for f in dataclasses.fields(Recipe)
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
+    }
+
+
+def field_doc(section: str | None, name: str) -> str:
+    """The one-line doc of a recipe field (section None = top level)."""
+    cls = Recipe if section is None else sections()[section]
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("doc", "")
+    raise KeyError(name)

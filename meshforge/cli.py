@@ -1,0 +1,173 @@
+"""Command line: `run_recipe` (the main job) and the `meshforge` command group.
+
+A bad recipe prints every problem (field, value, fix) and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from meshforge.configs import RecipeError, field_doc, load_recipe, recipe_to_dict, sections
+from meshforge.configs.schema import Recipe
+
+EXIT_BAD_RECIPE = 2
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _split_positionals(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`[RECIPE] [key=value ...]`: the recipe is the one positional without '='."""
+    recipe = next((x for x in items if "=" not in x), None)
+    return recipe, [x for x in items if x is not recipe]
+
+
+def _field_help() -> str:
+    lines = ["recipe fields (override any with section.key=value):"]
+    for sec, cls in sections().items():
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {sec}.{f.name}: {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run_recipe",
+        description="Validate a recipe, launch its processes, train, and log to JSONL, TensorBoard and W&B.",
+        epilog=_field_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("items", nargs="*", metavar="RECIPE|key=value",
+                   help="a recipe file or embedded recipe name (default: debug_cpu), then dotted overrides")
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
+    p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    return p
+
+
+def _world_size(nproc: int | None) -> int | None:
+    from meshforge.distributed import env_world_size
+
+    return env_world_size() or nproc
+
+
+def _print_problems(e: RecipeError) -> None:
+    err_console.print(f"[bold red]error:[/] {e.source}: {len(e.problems)} problem(s) in the recipe")
+    for p in e.problems:
+        err_console.print(f"  [bold]{p.field}[/] = {p.value!r}: {p.message}", highlight=False)
+
+
+def run_recipe_main(argv: Sequence[str] | None = None) -> int:
+    args = _run_parser().parse_args(argv)
+    recipe_arg, overrides = _split_positionals(args.items)
+    try:
+        recipe = load_recipe(recipe_arg, overrides, world_size=_world_size(args.nproc))
+    except RecipeError as e:
+        _print_problems(e)
+        return EXIT_BAD_RECIPE
+    return run_loaded(recipe, print_config=args.print_config, dry_run=args.dry_run)
+
+
+def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False) -> int:
+    from omegaconf import OmegaConf
+
+    from meshforge.distributed import pick_device_type, under_torchrun
+    from meshforge.plan import check_machine, make_plan
+
+    if print_config:
+        console.print(OmegaConf.to_yaml(recipe_to_dict(recipe)), highlight=False, markup=False)
+        return 0
+    plan = make_plan(recipe)
+    if dry_run:
+        table = Table(title=f"plan: {recipe.run_name}", show_header=False)
+        for k, v in plan.rows(recipe):
+            table.add_row(k, v)
+        console.print(table)
+        return 0
+    world = plan.dims.world_size
+    launching = world > 1 and not under_torchrun()
+    missing = check_machine(recipe, plan, pick_device_type(recipe.train.device), launching)
+    if missing:
+        err_console.print("[bold red]error:[/] this machine cannot run the recipe as written:")
+        for m in missing:
+            err_console.print(f"  - {m}", highlight=False)
+        err_console.print("  `run_recipe RECIPE --dry-run` shows the plan without running it.")
+        return EXIT_BAD_RECIPE
+    try:
+        if launching:
+            from meshforge.launch import launch_local
+
+            launch_local(recipe, world)
+        else:
+            from meshforge.train import train
+
+            train(recipe)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        return 130
+    except Exception as e:  # the run's records are already closed by the trainer
+        from meshforge.launch import LaunchFailed
+
+        if not isinstance(e, (LaunchFailed, FloatingPointError)):
+            raise
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 1
+    return 0
+
+
+def _explain(target: str | None) -> int:
+    secs = sections()
+    if target is None:
+        names = list(secs) + [f.name for f in dataclasses.fields(Recipe) if f.name not in secs]
+    else:
+        names = [target]
+    table = Table("field", "default", "doc")
+    for name in names:
+        sec, _, key = name.partition(".")
+        if sec in secs:
+            cls = secs[sec]
+            for f in dataclasses.fields(cls):
+                if not key or f.name == key:
+                    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    table.add_row(f"{sec}.{f.name}", repr(default), f.metadata.get("doc", ""))
+        else:
+            try:
+                table.add_row(sec, "", field_doc(None, sec))
+            except KeyError:
+                err_console.print(f"[bold red]error:[/] no recipe field or section {name!r}; "
+                                  f"sections: {', '.join(secs)}")
+                return EXIT_BAD_RECIPE
+    console.print(table)
+    return 0
+
+
+def meshforge_main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="meshforge", description="meshforge tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("run", help="same as run_recipe", add_help=False)
+    ex = sub.add_parser("explain", help="document recipe sections and fields")
+    ex.add_argument("field", nargs="?", help="a section (train) or field (train.steps)")
+    sub.add_parser("recipes", help="list the recipes shipped with meshforge")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return run_recipe_main(argv[1:])
+    args = p.parse_args(argv)
+    if args.cmd == "explain":
+        return _explain(args.field)
+    from meshforge.configs.loader import embedded_recipes
+
+    for name, path in sorted(embedded_recipes().items()):
+        console.print(f"{name}: {path}", highlight=False)
+    return 0
+
+
+def _exit(code: int) -> None:
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    _exit(run_recipe_main())

@@ -1,0 +1,68 @@
+"""Process-group and device set-up from torchrun's environment (or none, for one process)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Collective timeout: long enough for a slow first compile, short enough that a dead
+# rank ends the job instead of hanging it.
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("MESHFORGE_COLLECTIVE_TIMEOUT", "300")))
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or our local launcher, which is torchrun's API) started us."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def env_world_size() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device_type(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def setup(device_request: str, cpu_threads: int = 0) -> DistEnv:
+    """Init the process group when there is more than one rank; choose device and threads."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device_type = pick_device_type(device_request)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # share the cores between the local processes instead of oversubscribing them
+        torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1 and not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=device if device_type == "cuda" else None)
+    return DistEnv(rank, local_rank, world, local_world, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

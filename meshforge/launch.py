@@ -1,0 +1,56 @@
+"""Start the ranks of a job on this machine through torch's own elastic launcher.
+
+Under torchrun (one node or many, e.g. from Slurm) nothing is launched here: torchrun is
+the distributed engine and each of its workers calls `train` directly.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from meshforge.configs import Recipe
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@record
+def _worker(recipe: Recipe) -> None:
+    from meshforge.train import train
+
+    train(recipe)
+
+
+class LaunchFailed(RuntimeError):
+    """A rank failed; the message names it and carries its error."""
+
+
+def launch_local(recipe: Recipe, nproc: int) -> None:
+    """Run `nproc` ranks of `recipe` here; each rank's output is prefixed with its rank.
+
+    A failing rank ends the whole job (max_restarts=0) and raises LaunchFailed.
+    """
+    log_dir = Path(recipe.output_dir) / recipe.run_name / "logs"
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=f"meshforge-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", local_addr="127.0.0.1",
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+        log_line_prefix_template="[rank{rank}] ",
+    )
+    try:
+        elastic_launch(config, _worker)(recipe)
+    except ChildFailedError as e:
+        first_rank, failure = e.get_first_failure()
+        raise LaunchFailed(f"rank {first_rank} failed (exit code {failure.exitcode}); "
+                           f"logs in {log_dir}\n{failure.message or ''}") from None

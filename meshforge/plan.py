@@ -1,0 +1,89 @@
+"""What a recipe will do, computed without training: the dry-run plan and the check that
+this machine has what the recipe needs (devices, processes, memory) before starting."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from meshforge.configs import Recipe
+from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.parallelisms import ParallelDims
+from meshforge.parallelisms.pp import stage_layout
+
+GiB = 1024**3
+
+
+@dataclass
+class Plan:
+    n_params: int
+    dims: ParallelDims
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    tokens_per_step: int
+    layout: list[list[int]] | None
+    state_bytes_per_rank: float  # analytic: fp32 params + grads + AdamW moments, sharded
+
+    def rows(self, r: Recipe) -> list[tuple[str, str]]:
+        d = self.dims
+        rows = [
+            ("model", f"{r.model.name}/{r.model.flavor}: {self.n_params:,} parameters"),
+            ("mesh", ", ".join(f"{k}={v}" for k, v in d.degrees.items()) + f"  (world size {d.world_size})"),
+            ("batch", f"global {self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {d.dp}"),
+            ("tokens/step", f"{self.tokens_per_step:,} (seq_len {r.train.seq_len})"),
+            ("steps", str(r.train.steps)),
+            ("model states/rank", f"{self.state_bytes_per_rank / GiB:.2f} GiB (fp32 params+grads+AdamW, "
+                                  f"sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp}; activations extra)"),
+        ]
+        if self.layout is not None:
+            rows.append(("pipeline", f"{r.pp.schedule}, {r.pp.microbatches} microbatches, stages -> layers: "
+                                     + "; ".join(f"{s}: {l[0]}-{l[-1]}" if l else f"{s}: -" for s, l in enumerate(self.layout))))
+        return rows
+
+
+def make_plan(r: Recipe) -> Plan:
+    args = args_from_config(r.model)
+    with torch.device("meta"):
+        n_params = count_params(get_model_spec(r.model.name).build(args))
+    dims = ParallelDims.from_config(r.mesh)
+    layout = stage_layout(args.n_layers, dims.pp * r.pp.stages_per_rank, r.pp) if dims.pp_enabled else None
+    shards = dims.dp_shard * dims.tp * dims.pp  # replicas (dp_replicate) hold full copies
+    return Plan(
+        n_params=n_params, dims=dims, global_batch=r.train.global_batch_size, micro_batch=r.train.micro_batch_size,
+        grad_accum=r.train.grad_accum_steps, tokens_per_step=r.train.global_batch_size * r.train.seq_len,
+        layout=layout, state_bytes_per_rank=16 * n_params / shards,
+    )
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_machine(r: Recipe, plan: Plan, device_type: str, launching_locally: bool) -> list[str]:
+    """What this machine lacks for the recipe; empty if it can start."""
+    problems = []
+    world = plan.dims.world_size
+    if device_type == "cuda" and not torch.cuda.is_available():
+        problems.append("the recipe asks for CUDA (train.device='cuda') but no GPU is visible here; "
+                        "override train.device=cpu to run on CPU processes")
+    if device_type == "cuda" and torch.cuda.is_available() and launching_locally and world > torch.cuda.device_count():
+        problems.append(f"the mesh needs {world} GPUs on this node but {torch.cuda.device_count()} are visible; "
+                        "use torchrun across nodes, or shrink the mesh (e.g. mesh.dp_shard=-1 --nproc "
+                        f"{torch.cuda.device_count()})")
+    local = world if launching_locally else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device_type == "cuda" and torch.cuda.is_available():
+        have = torch.cuda.get_device_properties(0).total_memory
+        need = plan.state_bytes_per_rank
+        if need > have:
+            problems.append(f"model states need {need / GiB:.1f} GiB per GPU but a GPU has {have / GiB:.1f} GiB; "
+                            "shard more (mesh.dp_shard, mesh.tp, mesh.pp) or use a smaller model")
+    elif device_type == "cpu":
+        need, have = plan.state_bytes_per_rank * local, host_memory_bytes()
+        if need > 0.8 * have:
+            problems.append(f"{local} process(es) need about {need / GiB:.1f} GiB for model states alone but this "
+                            f"machine has {have / GiB:.1f} GiB; shrink the model for a CPU run, e.g. "
+                            "model.n_layers=2 model.dim=256 model.n_heads=4 model.n_kv_heads=2 model.vocab_size=1024")
+    return problems

@@ -1,0 +1,291 @@
+"""The training loop, for one process or one rank of many.
+
+Flow: process group -> DeviceMesh -> model on meta -> parallelize (PP, TP, AC, compile,
+FSDP) -> materialize weights (mesh-independent) -> optimizer + schedule -> sharded data
+-> steps. The loss is the sum of token cross-entropies divided by the number of target
+tokens in the whole global batch, so losses and gradients match across mesh shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+import meshforge
+from meshforge import distributed as mfdist
+from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
+from meshforge.console import RunConsole
+from meshforge.data import ShardedLoader, build_source, loss_floor
+from meshforge.loggers import Loggers, write_json_atomic
+from meshforge.memory import model_state_tensors, rank_memory, reduce_across_ranks, state_bytes
+from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.parallelisms import ParallelDims, materialize, parallelize
+from meshforge.parallelisms.fsdp import DTYPES
+from meshforge.parallelisms.pp import build_schedule
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of token cross-entropies: the caller divides by the global count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
+    """Linear warmup to 1, then cosine/linear decay to min_lr_ratio (step counts from 0)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    floor = cfg.min_lr_ratio
+    if cfg.decay == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.decay == "linear":
+        return 1 - (1 - floor) * progress
+    return 1.0
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients (clipped to max_norm if > 0), correct on every mesh.
+
+    Norms are taken per DeviceMesh, since torch refuses to combine DTensors of two
+    meshes (FSDP x TP without sequence parallel has both), then summed in squares and,
+    under pipeline parallel, across stages.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: dict = defaultdict(list)
+    for g in grads:
+        by_mesh[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total_sq += norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    tokens_per_sec: list[float] = field(default_factory=list)
+    last_memory: dict = field(default_factory=dict)
+    per_rank_memory: list = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe):
+        self.recipe = r = recipe
+        self.env = mfdist.setup(r.train.device, r.train.cpu_threads)
+        self.dims = ParallelDims.from_config(r.mesh)
+        if self.dims.world_size != self.env.world_size:
+            raise RuntimeError(f"mesh {self.dims.degrees} needs {self.dims.world_size} ranks, running {self.env.world_size}")
+        torch.manual_seed(r.seed)
+        if r.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.mesh = self.dims.build_mesh(self.env.device.type) if self.env.world_size > 1 else None
+
+        # model on meta -> parallelize -> materialize
+        self.spec = get_model_spec(r.model.name)
+        self.model_args = args_from_config(r.model)
+        with torch.device("meta"):
+            model = self.spec.build(self.model_args)
+        self.n_params = count_params(model)
+        self.pmodel = parallelize(model, self.mesh, self.dims, self.spec, tp=r.tp, pp=r.pp,
+                                  ac=r.activation_checkpoint, compile=r.compile, fsdp=r.fsdp)
+        for part in self.pmodel.parts:
+            materialize(part, self.env.device, r.seed)
+            part.train()
+        self.params = [p for part in self.pmodel.parts for p in part.parameters()]
+
+        self.optimizer = build_optimizer(self.params, r.optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_multiplier(s, r.train.steps, r.lr_scheduler))
+
+        # data: this rank's dp coordinate decides its slice of every global batch
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.source = build_source(r.data, self.model_args.vocab_size, r.train.seq_len)
+        self.loader = ShardedLoader(self.source, r.train.micro_batch_size, r.train.grad_accum_steps, dp_rank, self.dims.dp)
+
+        self.n_stages = self.dims.pp * r.pp.stages_per_rank
+        self.has_first = 0 in self.pmodel.stage_ids
+        self.has_last = (self.n_stages - 1) in self.pmodel.stage_ids
+        self.schedule = None
+        self._ce_sums: list[torch.Tensor] = []
+        if self.dims.pp_enabled:
+            self.schedule = build_schedule(self.pmodel.parts, self.pmodel.stage_ids, self.mesh["pp"], r.pp,
+                                           self.env.device, self._pipeline_loss)
+        self.use_loss_parallel = self.dims.tp_enabled and r.tp.loss_parallel
+        # without FSDP there is no MixedPrecisionPolicy: reduced precision means autocast
+        self.autocast_dtype = DTYPES[r.fsdp.param_dtype] if not self.dims.fsdp_enabled else torch.float32
+        self.state = RunState()
+
+    # --- one step -------------------------------------------------------------------
+
+    def _train_context(self):
+        stack = contextlib.ExitStack()
+        if self.use_loss_parallel:
+            stack.enter_context(loss_parallel())
+        if self.autocast_dtype != torch.float32:
+            stack.enter_context(torch.autocast(self.env.device.type, dtype=self.autocast_dtype))
+        return stack
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ce = cross_entropy_sum(logits, labels)
+        self._ce_sums.append(ce.detach())
+        return ce * self._loss_scale
+
+    def train_step(self) -> dict:
+        r, env = self.recipe, self.env
+        batches = self.loader.next_step()
+        # the global number of target tokens, summed over accumulation and dp ranks
+        n_tokens = torch.tensor(float(sum((b.labels != IGNORE_INDEX).sum() for b in batches)), device=env.device)
+        if self.mesh is not None and self.dims.dp > 1:
+            dist.all_reduce(n_tokens, group=self.mesh["dp"].get_group())
+        # FSDP averages gradients over dp ranks; multiplying by dp turns that into a sum
+        self._loss_scale = self.dims.dp / n_tokens
+        self._ce_sums = []
+        ce_total = torch.zeros((), device=env.device)
+        for b in batches:
+            inputs, labels = b.inputs.to(env.device), b.labels.to(env.device)
+            with self._train_context():
+                if self.schedule is not None:
+                    kwargs = {"target": labels, "losses": []} if self.has_last else {}
+                    args = (inputs,) if self.has_first else ()
+                    self.schedule.step(*args, **kwargs)
+                else:
+                    ce = cross_entropy_sum(self.pmodel.parts[0](inputs), labels)
+                    (ce * self._loss_scale).backward()
+                    self._ce_sums.append(ce.detach())
+        for ce in self._ce_sums:
+            ce_total += ce.full_tensor() if isinstance(ce, DTensor) else ce
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp_enabled else None
+        grad_norm = clip_grad_norm(self.params, r.train.max_norm, pp_group)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it
+        if dist.is_initialized():
+            dist.all_reduce(ce_total)
+            ce_total /= self.dims.tp
+        return {"loss": float(ce_total / n_tokens), "grad_norm": float(grad_norm), "lr": lr,
+                "tokens": int(n_tokens.item())}
+
+    # --- the run --------------------------------------------------------------------
+
+    def run(self) -> RunState:
+        r, env, st = self.recipe, self.env, self.state
+        run_dir = Path(r.output_dir) / r.run_name
+        console = RunConsole(enabled=env.is_main and r.logging.progress)
+        loggers, run_info = None, {}
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_info = self._run_info(run_dir)
+            write_json_atomic(run_dir / "run.json", run_info)
+            loggers = Loggers(r.logging, run_dir, r.run_name, run_info["run_id"], recipe_to_dict(r), console.console)
+            console.start(self, run_dir)
+        status = "failed"
+        try:
+            for step in range(1, r.train.steps + 1):
+                t0 = time.perf_counter()
+                out = self.train_step()
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                st.step = step
+                st.losses.append(out["loss"])
+                st.step_times.append(dt)
+                st.tokens_per_sec.append(out["tokens"] / dt)
+                if step % r.logging.log_every == 0 or step == r.train.steps:
+                    metrics = self._metrics(step, out, dt)
+                    if loggers is not None:
+                        loggers.log(metrics)
+                    console.update(step, metrics)
+                if not math.isfinite(out["loss"]):
+                    raise FloatingPointError(f"loss is {out['loss']} at step {step}; lower optimizer.lr or check the data")
+            status = "finished"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            if env.is_main:
+                summary = self.summary()
+                run_info.update(status=status, end_time=time.time(), summary=summary)
+                write_json_atomic(run_dir / "run.json", run_info)
+                loggers.close(summary)
+                console.finish(self, run_dir, loggers, status)
+        return st
+
+    def _metrics(self, step: int, out: dict, dt: float) -> dict:
+        state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizer))
+        mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state), self.env.device)
+        self.state.last_memory, self.state.per_rank_memory = mem, per_rank
+        return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
+                "tokens_per_sec": out["tokens"] / dt,
+                "step_time": dt, **mem}
+
+    def summary(self) -> dict:
+        st = self.state
+        steady = st.tokens_per_sec[1:] or st.tokens_per_sec  # the first step pays for warm-up
+        out = {"steps": st.step}
+        if st.losses:
+            out.update(final_loss=st.losses[-1], best_loss=min(st.losses),
+                       tokens_per_sec=sum(steady) / len(steady))
+        floor = loss_floor(self.source)
+        if floor is not None:
+            out["loss_floor"] = floor
+        peak_key = "mem/cuda_peak_active_max" if self.env.device.type == "cuda" else "mem/rss_peak_max"
+        if peak_key in st.last_memory:
+            out["peak_memory_bytes"] = st.last_memory[peak_key]
+        return out
+
+    def _run_info(self, run_dir: Path) -> dict:
+        return {
+            "run_id": f"{self.recipe.run_name}-{uuid.uuid4().hex[:8]}",
+            "run_name": self.recipe.run_name,
+            "status": "running",
+            "start_time": time.time(),
+            "recipe": recipe_to_dict(self.recipe),
+            "mesh": self.dims.degrees,
+            "world_size": self.env.world_size,
+            "device": str(self.env.device.type),
+            "n_params": self.n_params,
+            "pipeline_layout": self.pmodel.layout if self.dims.pp_enabled else None,
+            "versions": {"meshforge": meshforge.__version__, "torch": torch.__version__},
+            "records": {"metrics": str(run_dir / "metrics.jsonl")},
+        }
+
+
+def train(recipe: Recipe) -> RunState:
+    """Train `recipe` in this process (one rank of the job); used by the launcher."""
+    try:
+        return Trainer(recipe).run()
+    finally:
+        mfdist.teardown()

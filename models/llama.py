@@ -1,0 +1,201 @@
+"""Llama 3 decoder in TorchTitan's style and module names.
+
+Pipeline-friendly: blocks live in an `nn.ModuleDict` keyed "0".."n-1" (names survive a
+pipeline split and checkpoints), top-level modules may be None on a pipeline stage, and
+the top-level forward is a plain loop. Weights are not initialised in `__init__`, so
+the model can be built on the meta device; `init_weights` fills a materialised model,
+and `param_init` tells how any single parameter is drawn (for mesh-independent init).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None = n_heads (no GQA)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # FFN hidden size rounded up to this, for efficient matmuls
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3 RoPE frequency scaling (None disables): stretches low frequencies for long context
+    rope_scaling_factor: float | None = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """TorchTitan's (and Meta's) rule: 2/3 of 4*dim, times the multiplier, rounded up."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def precompute_freqs_cis(args: LlamaArgs) -> torch.Tensor:
+    """Complex RoPE rotations, (max_seq_len, head_dim // 2), with Llama 3 frequency scaling."""
+    dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    if args.rope_scaling_factor is not None:
+        factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+        old_ctx = args.rope_original_max_seq_len
+        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / freqs
+        # long wavelengths are divided by the factor, short ones kept, the band between blended
+        scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, freqs)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * freqs / factor + smooth * freqs
+        is_mid = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        freqs = torch.where(is_mid, blended, scaled)
+    t = torch.arange(args.max_seq_len, dtype=torch.float32)
+    angles = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(angles), angles)  # complex64
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Rotate interleaved (even, odd) pairs of q and k. xq: (B, S, H, hd), freqs_cis: (S, hd/2)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis[None, :, None, :]  # (1, S, 1, hd/2)
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, H, hd)
+        xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, KVH, hd)
+        xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
+        # GQA: query head h reads kv head h // (H / KVH), as repeat_interleave would
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, H * hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: recomputed by init_buffers, never checkpointed.
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) int -> logits (B, S, V); on a pipeline stage, hidden (B, S, D) in or out."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE buffer, e.g. after `to_empty` from the meta device."""
+        self.freqs_cis = precompute_freqs_cis(self.args).to(device or self.freqs_cis.device)
+
+    def init_param(self, fqn: str, full: torch.Tensor, seed: int) -> None:
+        """Fill `full` (the unsharded float32 value of parameter `fqn`) in place."""
+        param_init(self.args, fqn)(full, param_generator(seed, fqn))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter of an unsharded, materialised model in place."""
+        for fqn, param in self.named_parameters():
+            full = torch.empty(param.shape, dtype=torch.float32)
+            self.init_param(fqn, full, seed)
+            param.copy_(full)
+        self.init_buffers()
+
+
+def param_generator(seed: int, fqn: str) -> torch.Generator:
+    """A CPU generator per (seed, parameter name): values do not depend on the mesh,
+    the pipeline split, or the order parameters are visited in."""
+    import zlib
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+
+
+def param_init(args: LlamaArgs, fqn: str) -> Callable[[torch.Tensor, torch.Generator], None]:
+    """How the parameter named `fqn` is drawn (TorchTitan's Llama 3 scheme)."""
+    if fqn.endswith("norm.weight"):
+        return lambda t, g: t.fill_(1.0)
+    if fqn == "output.weight" or (fqn == "tok_embeddings.weight" and args.tie_embeddings):
+        std = args.dim**-0.5
+        return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+    if fqn == "tok_embeddings.weight":
+        return lambda t, g: nn.init.normal_(t, std=1.0, generator=g)
+    layer_id = int(fqn.split(".")[1])
+    # depth-scaled init for the projections that write into the residual stream
+    depth_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+    std = depth_std if fqn.endswith(("wo.weight", "w2.weight", "w3.weight")) else 0.02
+    return lambda t, g: nn.init.trunc_normal_(t, std=std, generator=g)
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters counted once even when tied (works on the meta device)."""
+    return sum(p.numel() for p in model.parameters())

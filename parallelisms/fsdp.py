@@ -1,0 +1,32 @@
+"""FSDP2 (`fully_shard`): per-block groups plus the root; HSDP and pure replication too.
+
+Each transformer block is one all-gather/reduce-scatter group; the embeddings are one,
+and norm + output another (kept unsharded after forward: backward needs them first).
+With a 2-D (dp_replicate, dp_shard) mesh this is HSDP; with dp_shard = 1, replication.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from meshforge.configs.schema import FSDPConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    # pinned host memory needs an accelerator; pinning on a CPU-only machine crashes
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    kw = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    tied = model.args.tie_embeddings
+    if model.tok_embeddings is not None and not tied:
+        fully_shard(model.tok_embeddings, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    if model.output is not None and not tied:
+        fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)  # root: whatever is left (tied weights)

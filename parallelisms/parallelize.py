@@ -1,0 +1,67 @@
+"""The one place that composes the parallelisms, in a fixed order:
+
+1. PP split  - cut the meta model into this rank's stages first: every later step then
+               works on a stage exactly as on a whole model, and sees only its layers.
+2. TP        - turns Linear/Embedding weights into DTensors on the tp mesh; must come
+               before FSDP, which shards those DTensors again over dp (2-D weights).
+3. AC        - wraps block forwards; inside FSDP's hooks so the recompute in backward
+               runs while the block's parameters are still gathered.
+4. compile   - per block, after AC so the checkpointed region is compiled as one, and
+               before FSDP so FSDP's hooks stay outside the compiled graph.
+5. FSDP      - last: it groups whatever the earlier steps left, per block plus root.
+
+Weights stay on the meta device throughout; `materialize` fills them afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig, FSDPConfig, PPConfig, TPConfig
+
+from .ac import apply_ac
+from .compile import apply_compile
+from .fsdp import apply_fsdp
+from .mesh import ParallelDims
+from .pp import pipeline_split
+from .tp import apply_tp
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model parts (one per local pipeline stage) and where they sit."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    layout: list[list[int]] = field(default_factory=list)  # layer ids of every stage
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    spec,
+    *,
+    tp: TPConfig,
+    pp: PPConfig,
+    ac: ActivationCheckpointConfig,
+    compile: CompileConfig,
+    fsdp: FSDPConfig,
+) -> ParallelModel:
+    """Apply PP -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc)."""
+    if dims.pp_enabled:
+        parts, ids, layout = pipeline_split(model, mesh["pp"], pp)
+    else:
+        parts, ids, layout = [model], [0], [list(range(len(model.layers)))]
+    for part in parts:
+        if dims.tp_enabled:
+            apply_tp(part, mesh["tp"], tp, spec)
+        apply_ac(part, ac)
+        apply_compile(part, compile)
+        if dims.fsdp_enabled:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+            apply_fsdp(part, dp_mesh, fsdp)
+    return ParallelModel(parts, ids, layout)

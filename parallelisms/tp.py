@@ -1,0 +1,19 @@
+"""Tensor (and sequence, and loss) parallelism from the model family's literal TP plans."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshforge.configs.schema import TPConfig
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: TPConfig, spec) -> None:
+    """Shard `model` (possibly one pipeline stage) over `tp_mesh` by `spec`'s plans."""
+    top = spec.tp_top_level_plan(cfg.sequence_parallel, cfg.loss_parallel)
+    # a pipeline stage may lack the embeddings or the head: plan only what is there
+    top = {fqn: style for fqn, style in top.items() if getattr(model, fqn, None) is not None}
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, spec.tp_block_plan(cfg.sequence_parallel))
