@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
@@ -97,6 +100,8 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
             err_console.print(f"  - {m}", highlight=False)
         err_console.print("  `run_recipe RECIPE --dry-run` shows the plan without running it.")
         return EXIT_BAD_RECIPE
+    if launching or not under_torchrun() or os.environ.get("RANK") == "0":
+        _set_aside_previous_run(recipe)
     try:
         if launching:
             from meshforge.launch import launch_local
@@ -117,6 +122,16 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 1
     return 0
+
+
+def _set_aside_previous_run(recipe: Recipe) -> None:
+    """A new run never appends to, or overwrites, the records of an earlier run of the same name."""
+    run_dir = Path(recipe.output_dir) / recipe.run_name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
+        target = run_dir.with_name(f"{run_dir.name}.{stamp}")
+        run_dir.rename(target)
+        console.print(f"note: an earlier run's records were moved to {target}", highlight=False)
 
 
 def _explain(target: str | None) -> int:

@@ -46,11 +46,12 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", local_addr="127.0.0.1",
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
-        log_line_prefix_template="[rank{rank}] ",
+        log_line_prefix_template="[rank${rank}] ",
     )
     try:
         elastic_launch(config, _worker)(recipe)
     except ChildFailedError as e:
         first_rank, failure = e.get_first_failure()
-        raise LaunchFailed(f"rank {first_rank} failed (exit code {failure.exitcode}); "
-                           f"logs in {log_dir}\n{failure.message or ''}") from None
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        raise LaunchFailed(f"rank {first_rank} failed (exit code {failure.exitcode}): {message or 'see its log'}; "
+                           f"logs in {log_dir}") from None

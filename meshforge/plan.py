@@ -26,6 +26,11 @@ class Plan:
     tokens_per_step: int
     layout: list[list[int]] | None
     state_bytes_per_rank: float  # analytic: fp32 params + grads + AdamW moments, sharded
+    activation_bytes_per_rank: float  # rough: see activation_bytes()
+
+    @property
+    def bytes_per_rank(self) -> float:
+        return self.state_bytes_per_rank + self.activation_bytes_per_rank
 
     def rows(self, r: Recipe) -> list[tuple[str, str]]:
         d = self.dims
@@ -36,7 +41,8 @@ class Plan:
             ("tokens/step", f"{self.tokens_per_step:,} (seq_len {r.train.seq_len})"),
             ("steps", str(r.train.steps)),
             ("model states/rank", f"{self.state_bytes_per_rank / GiB:.2f} GiB (fp32 params+grads+AdamW, "
-                                  f"sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp}; activations extra)"),
+                                  f"sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp})"),
+            ("activations/rank", f"~{self.activation_bytes_per_rank / GiB:.2f} GiB (rough; incl. fp32 logits)"),
         ]
         if self.layout is not None:
             rows.append(("pipeline", f"{r.pp.schedule}, {r.pp.microbatches} microbatches, stages -> layers: "
@@ -55,7 +61,26 @@ def make_plan(r: Recipe) -> Plan:
         n_params=n_params, dims=dims, global_batch=r.train.global_batch_size, micro_batch=r.train.micro_batch_size,
         grad_accum=r.train.grad_accum_steps, tokens_per_step=r.train.global_batch_size * r.train.seq_len,
         layout=layout, state_bytes_per_rank=16 * n_params / shards,
+        activation_bytes_per_rank=activation_bytes(r, args, dims),
     )
+
+
+def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
+    """A rough per-rank activation peak for one micro-batch (Korthikanti et al. 2022:
+    ~34 bytes x tokens x dim per layer in 16-bit, /tp), plus the fp32 logits, their
+    softmax and gradient (3 x 4 bytes x tokens x vocab / tp) on the last stage."""
+    tokens = r.train.micro_batch_size * r.train.seq_len
+    bytes_per_value = 2 if r.fsdp.param_dtype == "bfloat16" else 4
+    per_layer = 17 * bytes_per_value * tokens * args.dim / dims.tp
+    layers = args.n_layers / dims.pp
+    if r.activation_checkpoint.mode == "full":
+        stored = layers * tokens * args.dim * bytes_per_value + per_layer  # block inputs + one recompute
+    elif r.activation_checkpoint.mode == "selective":
+        kept = layers * (1 - 1 / r.activation_checkpoint.selective_every)
+        stored = kept * per_layer + (layers - kept) * tokens * args.dim * bytes_per_value + per_layer
+    else:
+        stored = layers * per_layer
+    return stored + 12 * tokens * args.vocab_size / dims.tp
 
 
 def host_memory_bytes() -> int:
@@ -76,14 +101,16 @@ def check_machine(r: Recipe, plan: Plan, device_type: str, launching_locally: bo
     local = world if launching_locally else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if device_type == "cuda" and torch.cuda.is_available():
         have = torch.cuda.get_device_properties(0).total_memory
-        need = plan.state_bytes_per_rank
+        need = plan.bytes_per_rank
         if need > have:
-            problems.append(f"model states need {need / GiB:.1f} GiB per GPU but a GPU has {have / GiB:.1f} GiB; "
-                            "shard more (mesh.dp_shard, mesh.tp, mesh.pp) or use a smaller model")
+            problems.append(f"model states and activations need about {need / GiB:.1f} GiB per GPU but a GPU has "
+                            f"{have / GiB:.1f} GiB; shard more (mesh.dp_shard, mesh.tp, mesh.pp), lower "
+                            "train.micro_batch_size or train.seq_len, or use activation_checkpoint.mode=full")
     elif device_type == "cpu":
-        need, have = plan.state_bytes_per_rank * local, host_memory_bytes()
-        if need > 0.8 * have:
-            problems.append(f"{local} process(es) need about {need / GiB:.1f} GiB for model states alone but this "
-                            f"machine has {have / GiB:.1f} GiB; shrink the model for a CPU run, e.g. "
-                            "model.n_layers=2 model.dim=256 model.n_heads=4 model.n_kv_heads=2 model.vocab_size=1024")
+        need, have = plan.bytes_per_rank * local, host_memory_bytes()
+        if need > 0.7 * have:
+            problems.append(f"{local} process(es) need about {need / GiB:.1f} GiB (model states + activations) but "
+                            f"this machine has {have / GiB:.1f} GiB; shrink the model for a CPU run, e.g. "
+                            "model.n_layers=2 model.dim=256 model.n_heads=8 model.n_kv_heads=2 model.vocab_size=4096 train.seq_len=128 "
+                            "train.micro_batch_size=2 (the recipe's header has the full command)")
     return problems

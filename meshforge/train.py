@@ -109,7 +109,7 @@ class Trainer:
         torch.manual_seed(r.seed)
         if r.train.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.mesh = self.dims.build_mesh(self.env.device.type) if self.env.world_size > 1 else None
+        self.meshes = self.dims.build_mesh(self.env.device.type) if self.env.world_size > 1 else None
 
         # model on meta -> parallelize -> materialize
         self.spec = get_model_spec(r.model.name)
@@ -117,7 +117,7 @@ class Trainer:
         with torch.device("meta"):
             model = self.spec.build(self.model_args)
         self.n_params = count_params(model)
-        self.pmodel = parallelize(model, self.mesh, self.dims, self.spec, tp=r.tp, pp=r.pp,
+        self.pmodel = parallelize(model, self.meshes, self.dims, self.spec, tp=r.tp, pp=r.pp,
                                   ac=r.activation_checkpoint, compile=r.compile, fsdp=r.fsdp)
         for part in self.pmodel.parts:
             materialize(part, self.env.device, r.seed)
@@ -129,7 +129,7 @@ class Trainer:
             self.optimizer, lambda s: lr_multiplier(s, r.train.steps, r.lr_scheduler))
 
         # data: this rank's dp coordinate decides its slice of every global batch
-        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
         self.source = build_source(r.data, self.model_args.vocab_size, r.train.seq_len)
         self.loader = ShardedLoader(self.source, r.train.micro_batch_size, r.train.grad_accum_steps, dp_rank, self.dims.dp)
 
@@ -139,7 +139,7 @@ class Trainer:
         self.schedule = None
         self._ce_sums: list[torch.Tensor] = []
         if self.dims.pp_enabled:
-            self.schedule = build_schedule(self.pmodel.parts, self.pmodel.stage_ids, self.mesh["pp"], r.pp,
+            self.schedule = build_schedule(self.pmodel.parts, self.pmodel.stage_ids, self.meshes.pp, r.pp,
                                            self.env.device, self._pipeline_loss)
         self.use_loss_parallel = self.dims.tp_enabled and r.tp.loss_parallel
         # without FSDP there is no MixedPrecisionPolicy: reduced precision means autocast
@@ -166,8 +166,8 @@ class Trainer:
         batches = self.loader.next_step()
         # the global number of target tokens, summed over accumulation and dp ranks
         n_tokens = torch.tensor(float(sum((b.labels != IGNORE_INDEX).sum() for b in batches)), device=env.device)
-        if self.mesh is not None and self.dims.dp > 1:
-            dist.all_reduce(n_tokens, group=self.mesh["dp"].get_group())
+        if self.dims.dp > 1:
+            dist.all_reduce(n_tokens, group=self.meshes.dp.get_group())
         # FSDP averages gradients over dp ranks; multiplying by dp turns that into a sum
         self._loss_scale = self.dims.dp / n_tokens
         self._ce_sums = []
@@ -178,14 +178,18 @@ class Trainer:
                 if self.schedule is not None:
                     kwargs = {"target": labels, "losses": []} if self.has_last else {}
                     args = (inputs,) if self.has_first else ()
+                    before = len(self._ce_sums)
                     self.schedule.step(*args, **kwargs)
+                    # the first step's shape inference also calls the loss on dummy data: keep the real ones
+                    real = self._ce_sums[before:][-self.recipe.pp.microbatches:] if self.has_last else []
+                    self._ce_sums[before:] = real
                 else:
                     ce = cross_entropy_sum(self.pmodel.parts[0](inputs), labels)
                     (ce * self._loss_scale).backward()
                     self._ce_sums.append(ce.detach())
         for ce in self._ce_sums:
             ce_total += ce.full_tensor() if isinstance(ce, DTensor) else ce
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp_enabled else None
+        pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm(self.params, r.train.max_norm, pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()

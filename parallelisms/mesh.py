@@ -63,7 +63,23 @@ class ParallelDims:
         parts = [f"{n}{d}" for n, d in (("dprep", self.dp_replicate), ("dp", self.dp_shard), ("tp", self.tp), ("pp", self.pp)) if d > 1]
         return "-".join(parts) or "single"
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+    def build_mesh(self, device_type: str) -> "Meshes":
+        root = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
+        return Meshes(
+            root=root,
+            dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
+            fsdp=root["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else root["dp_shard"],
+            tp=root["tp"],
+            pp=root["pp"],
+        )
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The root mesh and the sub-meshes each component needs (kept, not re-sliced)."""
+
+    root: DeviceMesh
+    dp: DeviceMesh  # flattened dp_replicate x dp_shard: data sharding, token counts
+    fsdp: DeviceMesh  # 2-D for HSDP, else dp_shard
+    tp: DeviceMesh
+    pp: DeviceMesh

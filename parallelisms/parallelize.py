@@ -18,14 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig, FSDPConfig, PPConfig, TPConfig
 
 from .ac import apply_ac
 from .compile import apply_compile
 from .fsdp import apply_fsdp
-from .mesh import ParallelDims
+from .mesh import Meshes, ParallelDims
 from .pp import pipeline_split
 from .tp import apply_tp
 
@@ -41,7 +40,7 @@ class ParallelModel:
 
 def parallelize(
     model: nn.Module,
-    mesh: DeviceMesh | None,
+    meshes: Meshes | None,
     dims: ParallelDims,
     spec,
     *,
@@ -53,15 +52,14 @@ def parallelize(
 ) -> ParallelModel:
     """Apply PP -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc)."""
     if dims.pp_enabled:
-        parts, ids, layout = pipeline_split(model, mesh["pp"], pp)
+        parts, ids, layout = pipeline_split(model, meshes.pp, pp)
     else:
         parts, ids, layout = [model], [0], [list(range(len(model.layers)))]
     for part in parts:
         if dims.tp_enabled:
-            apply_tp(part, mesh["tp"], tp, spec)
+            apply_tp(part, meshes.tp, tp, spec)
         apply_ac(part, ac)
         apply_compile(part, compile)
         if dims.fsdp_enabled:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-            apply_fsdp(part, dp_mesh, fsdp)
+            apply_fsdp(part, meshes.fsdp, fsdp)
     return ParallelModel(parts, ids, layout)
