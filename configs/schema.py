@@ -65,8 +65,8 @@ class PPConfig:
     microbatches: int = F(-1, "microbatches per step per pipeline; -1 = number of stages")
     stages_per_rank: int = F(1, "virtual stages per rank (2+ for interleaved/looped/V schedules)")
     layers_per_stage: Optional[List[int]] = F(None, "explicit layer count per stage, e.g. [3, 5]; None = balanced")
-    embedding_weight: float = F(1.0, "tok_embeddings counted as this many layers when balancing stages")
-    output_weight: float = F(1.0, "norm + output counted as this many layers when balancing stages")
+    embedding_weight: float = F(0.0, "tok_embeddings counted as this many layers when balancing stages")
+    output_weight: float = F(0.0, "norm + output counted as this many layers when balancing stages")
 
 
 @dataclass

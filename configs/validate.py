@@ -24,7 +24,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _nearest(value: int, valid: list[int], k: int = 3) -> str:
+def _nearest(value: int, valid: list[int], k: int = 2) -> str:
     best = sorted(valid, key=lambda v: (abs(v - value), v))[:k]
     return ", ".join(str(v) for v in sorted(best))
 

@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 import uuid
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import build_schedule
 
 IGNORE_INDEX = -100
+# Our blocks add to the embedding output out of place, the case this warning is about.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

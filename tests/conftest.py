@@ -1,0 +1,49 @@
+"""Shared helpers: run the real CLI in a subprocess and read back its records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+# W&B never touches the network in tests; tests that check W&B opt into offline mode.
+os.environ["WANDB_MODE"] = "disabled"
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def cli_env(**extra: str) -> dict:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None,
+            program: str = "run_recipe") -> subprocess.CompletedProcess:
+    """Run `run_recipe ARGS` (or `meshforge ARGS`) as a user would, from `cwd`."""
+    exe = Path(sys.executable).parent / program
+    return subprocess.run([str(exe), *args], cwd=cwd, env=env or cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Small, quick settings shared by the launch tests (one launch per configuration).
+QUICK = [
+    "train.seq_len=32", "train.global_batch_size=16", "train.micro_batch_size=-1", "train.grad_accum_steps=1",
+    "train.max_norm=0.3", "logging.tensorboard=false", "logging.wandb=false", "logging.progress=false",
+]
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,175 @@
+"""The schema, loader and validation: each rule gives its message, all at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshforge.configs import RecipeError, load_recipe
+from meshforge.configs.schema import Recipe, field_doc, sections
+
+from conftest import RECIPES
+
+
+def write(tmp_path: Path, text: str, name: str = "r.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def problems(tmp_path: Path, text: str = "", overrides=(), world: int | None = None) -> dict[str, str]:
+    """field -> its messages (joined) for every problem of a recipe (must fail)."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, text), overrides, world_size=world)
+    out: dict[str, str] = {}
+    for p in e.value.problems:
+        out[p.field] = f"{out[p.field]} | {p.message}" if p.field in out else p.message
+    return out
+
+
+SINGLE = "[mesh]\ndp_shard = 1\n"
+
+
+def test_every_shipped_recipe_validates():
+    found = sorted(RECIPES.rglob("*.toml"))  # recursive: recipes in sub-folders count too
+    assert {p.stem for p in found} >= {"debug_cpu", "llm_1b", "llm_8b"}
+    for path in found:
+        r = load_recipe(path)
+        assert r.mesh.dp_shard > 0 and r.train.global_batch_size > 0
+        assert path.read_text().startswith("#"), f"{path} must open with purpose, hardware, command"
+
+
+def test_every_field_is_documented():
+    for sec, cls in sections().items():
+        for name in cls.__dataclass_fields__:
+            assert field_doc(sec, name), f"{sec}.{name} has no doc"
+    assert field_doc(None, "seed")
+
+
+def test_defaults_overrides_and_derived_batch(tmp_path):
+    r = load_recipe(write(tmp_path, SINGLE + "[train]\nsteps = 7\nmicro_batch_size = 4\ngrad_accum_steps = 3\n"),
+                    ["train.steps=9", "optimizer.lr=0.01"])
+    assert isinstance(r, Recipe)
+    assert (r.train.steps, r.optimizer.lr, r.train.global_batch_size) == (9, 0.01, 12)
+    assert r.fsdp.reshard_after_forward is True  # schema default
+
+
+def test_minus_one_takes_the_rest_of_the_world(tmp_path):
+    r = load_recipe(write(tmp_path, "[mesh]\ndp_shard = -1\ntp = 2\n[train]\nseq_len = 32\n"), world_size=8)
+    assert (r.mesh.dp_shard, r.mesh.tp) == (4, 2)
+    derived = load_recipe(write(tmp_path, "[mesh]\ndp_shard = 4\n[train]\nglobal_batch_size = 32\n"
+                                          "micro_batch_size = -1\ngrad_accum_steps = 2\n"), world_size=4)
+    assert derived.train.micro_batch_size == 4
+
+
+def test_extends_merges_over_a_base(tmp_path):
+    write(tmp_path, SINGLE + "[train]\nsteps = 3\nseq_len = 16\n", "base.toml")
+    r = load_recipe(write(tmp_path, 'extends = "base.toml"\n[train]\nsteps = 5\n'))
+    assert (r.train.steps, r.train.seq_len) == (5, 16)
+    write(tmp_path, 'extends = "b.toml"\n', "a.toml")
+    write(tmp_path, 'extends = "a.toml"\n', "b.toml")
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(tmp_path / "a.toml")
+
+
+def test_unknown_keys_suggest_the_right_one(tmp_path):
+    p = problems(tmp_path, SINGLE + "[trian]\nsteps = 3\n[train]\nstep = 3\n[optimizer]\nlearning_rate = 1.0\n")
+    assert "did you mean 'train'" in p["trian"]
+    assert "did you mean train.'steps'" in p["train.step"]
+    assert "optimizer.learning_rate" in p
+
+
+def test_wrong_types_name_the_expected_type(tmp_path):
+    p = problems(tmp_path, SINGLE + '[train]\nsteps = "many"\n[fsdp]\nreshard_after_forward = "maybe"\n')
+    assert "expected int" in p["train.steps"]
+    assert "expected bool" in p["fsdp.reshard_after_forward"]
+
+
+def test_bad_override_syntax(tmp_path):
+    p = problems(tmp_path, SINGLE, overrides=["train.steps"])
+    assert "key=value" in p["override"]
+
+
+def test_mesh_product_must_equal_world(tmp_path):
+    p = problems(tmp_path, "[mesh]\ndp_shard = 2\ntp = 2\n[train]\nseq_len = 32\n", world=8)
+    assert "= 4 but the world size is 8" in p["mesh"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = -1\ntp = 2\n[train]\nseq_len = 32\n", world=6 + 1)
+    assert "not divisible" in p["mesh.dp_shard"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = -1\ntp = -1\n", world=4)
+    assert "only one degree may be -1" in p["mesh"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = -1\n")
+    assert "--nproc" in p["mesh.dp_shard"]
+
+
+def test_heads_and_kv_heads_must_divide_by_tp(tmp_path):
+    # debug flavor: 4 heads, 2 kv heads
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nseq_len = 32\n")
+    assert "n_kv_heads=2 is not divisible by tp" in p["mesh.tp"]
+    assert "valid tp: 1, 2" in p["mesh.tp"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 3\n[train]\nseq_len = 34\n")
+    assert "n_heads=4 is not divisible" in p["mesh.tp"]
+    assert "multiple of 3" in p["train.seq_len"]  # sequence parallel shards seq_len
+
+
+def test_layers_vs_pipeline_stages(tmp_path):
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 8\n[train]\nmicro_batch_size = 8\n")
+    assert "8 pipeline stages but only 4 layers" in p["mesh.pp"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nlayers_per_stage = [1, 2]\n")
+    assert "summing to n_layers=4" in p["pp.layers_per_stage"]
+
+
+def test_global_batch_arithmetic(tmp_path):
+    p = problems(tmp_path, "[mesh]\ndp_shard = 2\n[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n"
+                           "grad_accum_steps = 1\n", world=2)
+    assert "4 x 1 x 2 = 8" in p["train.global_batch_size"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 2\n[train]\nglobal_batch_size = 10\nmicro_batch_size = -1\n"
+                           "grad_accum_steps = 2\n", world=2)
+    assert "nearest valid: 8, 12" in p["train.global_batch_size"]
+
+
+def test_seq_len_and_ranges(tmp_path):
+    p = problems(tmp_path, SINGLE + "[train]\nseq_len = 4096\nsteps = 0\n[optimizer]\nlr = -1.0\n")
+    assert "max_seq_len=512" in p["train.seq_len"]
+    assert "must be > 0" in p["train.steps"]
+    assert "must be > 0" in p["optimizer.lr"]
+
+
+def test_microbatches_vs_batch_and_stages(tmp_path):
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 3\n[train]\nmicro_batch_size = 8\n")
+    assert "must divide the local batch" in p["pp.microbatches"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 2\nschedule = \"1F1B\"\n"
+                           "[train]\nmicro_batch_size = 8\n")
+    assert "needs microbatches >= pp=4" in p["pp.microbatches"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"ZBVZeroBubble\"\n")
+    assert "exactly 2 stages per rank" in p["pp.stages_per_rank"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"GPipe\"\nstages_per_rank = 2\n")
+    assert "one stage per rank" in p["pp.stages_per_rank"]
+
+
+def test_enums_list_the_choices(tmp_path):
+    p = problems(tmp_path, SINGLE + '[pp]\nschedule = "2F2B"\n[fsdp]\nparam_dtype = "float16"\n'
+                                    '[model]\nflavor = "tiny"\n')
+    assert "1F1B" in p["pp.schedule"] and "DualPipeV" in p["pp.schedule"]
+    assert "use bfloat16" in p["fsdp.param_dtype"]
+    assert "debug" in p["model.flavor"]
+
+
+def test_refused_combinations_say_why_and_what_instead(tmp_path):
+    p = problems(tmp_path, "[mesh]\ndp_shard = 2\npp = 2\n[pp]\nschedule = \"ZBVZeroBubble\"\n"
+                           "stages_per_rank = 2\n", world=4)
+    assert "wrong gradients" in p["fsdp.reshard_after_forward"]
+    assert "reshard_after_forward=false" in p["fsdp.reshard_after_forward"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[compile]\nenabled = true\n[train]\nseq_len = 32\n")
+    assert "tok_embeddings gradient" in p["compile.enabled"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[model]\ntie_embeddings = true\n")
+    assert "model.tie_embeddings=false" in p["model.tie_embeddings"]
+
+
+def test_every_violation_is_reported_at_once(tmp_path):
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n"
+                           "[optimizer]\nlr = 0.0\n[lrschedule]\nwarmup = 1\n")
+    # an unknown section stops before cross-field rules; fix it and the rest appear together
+    assert list(p) == ["lrschedule"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n[optimizer]\nlr = 0.0\n")
+    assert {"mesh.tp", "train.steps", "train.seq_len", "optimizer.lr"} <= set(p)
