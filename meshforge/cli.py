@@ -130,6 +130,10 @@ def _set_aside_previous_run(recipe: Recipe) -> None:
     if run_dir.exists() and any(run_dir.iterdir()):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
         target = run_dir.with_name(f"{run_dir.name}.{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}")
         run_dir.rename(target)
         console.print(f"note: an earlier run's records were moved to {target}", highlight=False)
 

@@ -1,0 +1,114 @@
+"""One-process training through the real CLI: it learns, and its records read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import RECIPES, cli_env, read_metrics, run_cli
+
+SINGLE = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The default recipe on one process, with TensorBoard and offline W&B (no key, no network)."""
+    out = tmp_path_factory.mktemp("single")
+    home = out / "home"  # no ~/.netrc: meshforge must pick offline by itself, and never prompt
+    home.mkdir()
+    env = cli_env(HOME=str(home))
+    env.pop("WANDB_MODE")
+    env.pop("WANDB_API_KEY", None)
+    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *SINGLE, "train.steps=150", f"output_dir={out}",
+                    "run_name=learn"], cwd=out, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "learn", proc
+
+
+def test_loss_falls_to_near_the_source_floor(trained):
+    run_dir, _ = trained
+    rows = read_metrics(run_dir)
+    floor = json.loads((run_dir / "run.json").read_text())["summary"]["loss_floor"]
+    first, last10 = rows[0]["loss"], sum(r["loss"] for r in rows[-10:]) / 10
+    assert first > 5.0  # about log(256): it starts knowing nothing
+    assert last10 < floor + 0.3, (last10, floor)  # and ends close to what can be known
+
+
+def test_metrics_jsonl_has_every_step_and_key(trained):
+    rows = read_metrics(trained[0])
+    assert [r["step"] for r in rows] == list(range(1, 151))
+    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "step_time", "mem/rss_max", "mem/rss_peak_min",
+                "mem/state_max", "mem/rss_max_rank"):
+        assert key in rows[0], key
+    assert rows[0]["tokens_per_sec"] > 0 and rows[0]["mem/rss_max"] > 50e6  # a real process measurement
+    assert rows[9]["lr"] == pytest.approx(3e-3)  # end of warmup (10 steps) reaches the peak lr
+    assert rows[-1]["lr"] < rows[50]["lr"]  # cosine decay
+
+
+def test_run_json_records_recipe_versions_and_status(trained):
+    info = json.loads((trained[0] / "run.json").read_text())
+    assert info["status"] == "finished" and info["end_time"] >= info["start_time"]
+    assert info["recipe"]["train"]["steps"] == 150 and info["mesh"]["dp_shard"] == 1
+    assert info["versions"]["torch"].startswith("2.") and info["n_params"] == 229_952
+    assert info["summary"]["final_loss"] == read_metrics(trained[0])[-1]["loss"]
+
+
+def test_tensorboard_events_read_back(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(trained[0] / "tensorboard"))
+    acc.Reload()
+    losses = acc.Scalars("loss")
+    assert [e.step for e in losses] == list(range(1, 151))
+    assert losses[-1].value == pytest.approx(read_metrics(trained[0])[-1]["loss"], rel=1e-6)
+    assert "mem/rss_max" in acc.Tags()["scalars"]
+
+
+def test_wandb_went_offline_by_itself(trained):
+    run_dir, proc = trained
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb"))  # the offline run file `wandb sync` uploads later
+    assert "offline" in proc.stdout
+
+
+def test_terminal_shows_progress_and_summary(trained):
+    out = trained[1].stdout
+    assert "loss floor" in out and "final loss" in out and "step 150/150" in out
+
+
+def test_same_seed_same_losses_bit_for_bit(tmp_path):
+    from meshforge.configs import load_recipe
+    from meshforge.train import train
+
+    common = [*SINGLE, "train.steps=5", f"output_dir={tmp_path}", "logging.tensorboard=false",
+              "logging.wandb=false", "logging.progress=false"]
+    a = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=a"]))
+    b = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=b"]))
+    c = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=c", "seed=1"]))
+    assert a.losses == b.losses  # exact equality, not approx
+    assert a.losses != c.losses
+
+
+def test_bf16_autocast_trains_close_to_fp32(tmp_path):
+    from meshforge.configs import load_recipe
+    from meshforge.train import train
+
+    common = [*SINGLE, "train.steps=5", f"output_dir={tmp_path}", "logging.tensorboard=false",
+              "logging.wandb=false", "logging.progress=false"]
+    fp32 = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=f"]))
+    bf16 = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=b", "fsdp.param_dtype=bfloat16"]))
+    diffs = [abs(x - y) for x, y in zip(fp32.losses, bf16.losses)]
+    assert max(diffs) < 2e-2 and max(diffs) > 0  # really ran in bf16, and stayed close
+
+
+def test_a_second_run_of_the_same_name_keeps_the_first(tmp_path):
+    args = [str(RECIPES / "debug_cpu.toml"), *SINGLE, "train.steps=2", f"output_dir={tmp_path}", "run_name=twice",
+            "logging.wandb=false", "logging.tensorboard=false"]
+    assert run_cli(args, cwd=tmp_path).returncode == 0
+    assert run_cli(args, cwd=tmp_path).returncode == 0
+    runs = sorted(p.name for p in tmp_path.iterdir())
+    assert len(runs) == 2 and runs[0] == "twice"
+    assert all(len(read_metrics(tmp_path / r)) == 2 for r in runs)
+
