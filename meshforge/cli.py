@@ -20,8 +20,8 @@ from meshforge.configs import RecipeError, field_doc, load_recipe, recipe_to_dic
 from meshforge.configs.schema import Recipe
 
 EXIT_BAD_RECIPE = 2
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _split_positionals(items: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -65,7 +65,7 @@ def _print_problems(e: RecipeError) -> None:
 
 
 def run_recipe_main(argv: Sequence[str] | None = None) -> int:
-    args = _run_parser().parse_args(argv)
+    args = _run_parser().parse_intermixed_args(argv)
     recipe_arg, overrides = _split_positionals(args.items)
     try:
         recipe = load_recipe(recipe_arg, overrides, world_size=_world_size(args.nproc))
@@ -148,11 +148,14 @@ def _explain(target: str | None) -> int:
     for name in names:
         sec, _, key = name.partition(".")
         if sec in secs:
-            cls = secs[sec]
-            for f in dataclasses.fields(cls):
-                if not key or f.name == key:
-                    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                    table.add_row(f"{sec}.{f.name}", repr(default), f.metadata.get("doc", ""))
+            fields = [f for f in dataclasses.fields(secs[sec]) if not key or f.name == key]
+            if not fields:
+                err_console.print(f"[bold red]error:[/] {sec} has no field {key!r}; "
+                                  f"fields: {', '.join(f.name for f in dataclasses.fields(secs[sec]))}")
+                return EXIT_BAD_RECIPE
+            for f in fields:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                table.add_row(f"{sec}.{f.name}", repr(default), f.metadata.get("doc", ""))
         else:
             try:
                 table.add_row(sec, "", field_doc(None, sec))

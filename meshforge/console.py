@@ -15,7 +15,7 @@ GiB = 1024**3
 class RunConsole:
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.console = Console(stderr=False)
+        self.console = Console(soft_wrap=True)
         self._progress: Progress | None = None
         self._task = None
         self._last_print = 0.0

@@ -1,0 +1,54 @@
+"""Every parameter's placement on every rank, computed without devices or training.
+
+Each rank is simulated in turn with torch's fake process group and a meta-device model,
+so an 8-GPU (or 64-GPU) recipe's sharding can be dumped on a laptop and diffed against
+a golden file: a changed plan shows up as a readable diff, not a surprise at scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshforge.configs import Recipe
+from meshforge.models import args_from_config, get_model_spec
+from meshforge.parallelisms import ParallelDims, parallelize
+
+
+def describe(param: torch.Tensor) -> str:
+    """'Shard(0),Shard(0) on (dp_shard,tp) local [64, 32] of [256, 32]' or 'local [64]'."""
+    if isinstance(param, DTensor):
+        dims = ",".join(param.device_mesh.mesh_dim_names or ())
+        placements = ",".join(str(p) for p in param.placements)
+        return f"{placements} on ({dims}) local {list(param.to_local().shape)} of {list(param.shape)}"
+    return f"local {list(param.shape)}"
+
+
+def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
+    """Parameter FQN -> placement description, as rank `rank` of the recipe's mesh holds it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dims = ParallelDims.from_config(recipe.mesh)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        meshes = dims.build_mesh("cpu")
+        spec = get_model_spec(recipe.model.name)
+        with torch.device("meta"):
+            model = spec.build(args_from_config(recipe.model))
+        pmodel = parallelize(model, meshes, dims, spec, tp=recipe.tp, pp=recipe.pp,
+                             ac=recipe.activation_checkpoint, compile=recipe.compile, fsdp=recipe.fsdp)
+        out = {}
+        for stage_id, part in zip(pmodel.stage_ids, pmodel.parts):
+            for fqn, p in part.named_parameters():
+                out[fqn] = f"stage {stage_id}: {describe(p)}" if dims.pp_enabled else describe(p)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
+    """rank -> (FQN -> placement) for every rank of the recipe's mesh."""
+    recipe.compile.enabled = False  # placements do not depend on compile; skip its cost
+    world = ParallelDims.from_config(recipe.mesh).world_size
+    return {str(rank): rank_placements(recipe, rank) for rank in range(world)}

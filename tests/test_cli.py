@@ -1,0 +1,69 @@
+"""The command line as a user meets it: plans, printed configs, and clear errors (exit 2)."""
+
+from __future__ import annotations
+
+from conftest import RECIPES, run_cli
+
+
+def test_dry_run_plans_llm_1b_without_allocating_it(tmp_path):
+    proc = run_cli([str(RECIPES / "llm_1b.toml"), "--dry-run"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "1,235,814,400 parameters" in proc.stdout
+    assert "global 16 = micro 2 x accum 1 x dp 8" in proc.stdout
+    assert "world size 8" in proc.stdout
+    assert not (tmp_path / "outputs").exists()  # nothing was run
+
+
+def test_dry_run_shows_the_pipeline_layout(tmp_path):
+    proc = run_cli(["debug_cpu", "--dry-run"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "1F1B, 4 microbatches" in proc.stdout and "0: 0-1; 1: 2-3" in proc.stdout
+
+
+def test_print_config_resolves_every_field(tmp_path):
+    proc = run_cli([str(RECIPES / "llm_8b.toml"), "--print-config", "train.steps=7"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "steps: 7" in proc.stdout and "flavor: 8b" in proc.stdout and "dp_shard: 8" in proc.stdout
+
+
+def test_a_malformed_recipe_lists_its_problems_without_a_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[mesh]\ndp_shard = 1\ntp = 3\n[train]\nsteps = "ten"\nseqlen = 4\n[optimizer]\nlr = 0\n')
+    proc = run_cli([str(bad)], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "train.steps" in proc.stderr and "expected int" in proc.stderr
+    assert "did you mean train.'seq_len'" in proc.stderr
+    # after the key/type problems are fixed, the cross-field ones are reported together
+    bad.write_text("[mesh]\ndp_shard = 1\ntp = 3\n[train]\nseq_len = 32\n[optimizer]\nlr = 0\n")
+    proc = run_cli([str(bad)], cwd=tmp_path)
+    assert proc.returncode == 2 and "mesh.tp" in proc.stderr and "optimizer.lr" in proc.stderr
+
+
+def test_invalid_toml_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 1\n")
+    proc = run_cli([str(bad)], cwd=tmp_path)
+    assert proc.returncode == 2 and "not valid TOML" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(["debug_cpux"], cwd=tmp_path)
+    assert proc.returncode == 2 and "did you mean 'debug_cpu'" in proc.stderr
+
+
+def test_a_recipe_this_machine_cannot_run_is_refused_before_starting(tmp_path):
+    proc = run_cli([str(RECIPES / "llm_1b.toml")], cwd=tmp_path)  # wants 8 GPUs; this machine has none
+    assert proc.returncode == 2
+    assert "no GPU is visible" in proc.stderr and "train.device=cpu" in proc.stderr and "--dry-run" in proc.stderr
+    proc = run_cli([str(RECIPES / "llm_1b.toml"), "train.device=cpu"], cwd=tmp_path)
+    assert proc.returncode == 2 and "shrink the model" in proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_explain_documents_fields(tmp_path):
+    proc = run_cli(["explain", "mesh"], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 0 and "mesh.dp_shard" in proc.stdout and "the rest" in proc.stdout
+    proc = run_cli(["explain", "mesh.nope"], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 2 and "fields: dp_replicate" in proc.stderr
+    proc = run_cli(["explain", "bogus"], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 2 and "sections:" in proc.stderr
+    proc = run_cli(["--help"], cwd=tmp_path)
+    assert "train.micro_batch_size" in proc.stdout  # run_recipe --help lists every field with its doc

@@ -1,0 +1,46 @@
+"""Golden sharding: every parameter's placement on every rank of every shipped recipe.
+
+A changed plan fails here with a readable diff. After an intended change, regenerate:
+    MESHFORGE_UPDATE_GOLDEN=1 pytest tests/test_golden_sharding.py
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+
+import pytest
+
+from meshforge.configs import load_recipe
+from meshforge.sharding import all_placements
+
+from conftest import RECIPES
+
+GOLDEN = RECIPES.parent / "tests" / "golden"
+RECIPE_FILES = sorted(RECIPES.rglob("*.toml"))  # recursive: sub-folders count too
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=[p.stem for p in RECIPE_FILES])
+def test_sharding_matches_golden(path):
+    got = json.dumps(all_placements(load_recipe(path)), indent=1, sort_keys=True) + "\n"
+    golden = GOLDEN / f"sharding_{path.stem}.json"
+    if os.environ.get("MESHFORGE_UPDATE_GOLDEN") == "1":
+        golden.write_text(got)
+    assert golden.is_file(), f"no golden file for {path.name}: run with MESHFORGE_UPDATE_GOLDEN=1"
+    expected = golden.read_text()
+    if got != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), got.splitlines(True),
+                                            "golden", "now", n=1))
+        pytest.fail(f"sharding plan of {path.name} changed:\n{diff[:6000]}")
+
+
+def test_golden_files_show_the_3d_layout():
+    """Spot checks that the golden dumps say what the recipes ask for."""
+    debug = json.loads((GOLDEN / "sharding_debug_cpu.json").read_text())
+    assert len(debug) == 8  # dp_shard 2 x tp 2 x pp 2
+    assert "layers.0.attention.wq.weight" in debug["0"] and "layers.0.attention.wq.weight" not in debug["7"]
+    assert debug["0"]["layers.0.attention.wq.weight"].startswith("stage 0: _S(0, 2),S(0) on (dp_shard,tp)")
+    assert debug["7"]["output.weight"].startswith("stage 1:")
+    one_b = json.loads((GOLDEN / "sharding_llm_1b.json").read_text())
+    assert one_b["3"]["tok_embeddings.weight"] == "S(0) on (dp_shard) local [16032, 2048] of [128256, 2048]"
