@@ -241,6 +241,9 @@ class Trainer:
         except KeyboardInterrupt:
             status = "interrupted"
             raise
+        except BaseException as e:
+            run_info["error"] = f"{type(e).__name__}: {e}"
+            raise
         finally:
             if env.is_main:
                 summary = self.summary()

@@ -1,0 +1,65 @@
+"""Launching: a failing rank ends the whole job promptly; torchrun across two "nodes" works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+# Injected into every worker through sitecustomize: rank 1 raises at its 3rd step. (RANK
+# is read at call time: spawned workers get their environment after start-up.)
+FAULT = """
+import os
+import meshforge.train as t
+original = t.Trainer.train_step
+def failing(self):
+    if os.environ.get("RANK") == "1" and self.state.step == 2:
+        raise RuntimeError("injected failure on rank 1")
+    return original(self)
+t.Trainer.train_step = failing
+"""
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULT)
+    env = cli_env(PYTHONPATH=str(hook))
+    start = time.monotonic()
+    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, "mesh.pp=1", "mesh.tp=2", "train.steps=50",
+                    f"output_dir={tmp_path}", "run_name=fail"], cwd=tmp_path, env=env, timeout=300)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert "rank 1 failed" in proc.stderr and "injected failure on rank 1" in proc.stderr
+    assert elapsed < 60, f"took {elapsed:.0f}s to end the job"
+    # nothing lost: the steps before the failure are on record, and the run is marked failed
+    assert [r["step"] for r in read_metrics(tmp_path / "fail")] == [1, 2]
+    info = json.loads((tmp_path / "fail" / "run.json").read_text())
+    assert info["status"] == "failed" and "rank 1" in info["error"]
+    assert (tmp_path / "fail" / "logs").is_dir()  # every rank's output is kept
+
+
+def test_two_torchrun_agents_make_one_job(tmp_path):
+    """Two 'nodes' (two torchrun agents, c10d rendezvous on 127.0.0.1), 2 processes each."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    port = 29500 + (hash(str(tmp_path)) % 1000)
+    args = [str(RECIPES / "debug_cpu.toml"), *QUICK, "mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2",
+            "train.steps=5", f"output_dir={tmp_path}", "run_name=two_nodes"]
+    cmd = [str(torchrun), "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "meshforge-test", "--local_addr", "127.0.0.1",
+           "-m", "meshforge.cli", *args]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    info = json.loads((tmp_path / "two_nodes" / "run.json").read_text())
+    assert info["world_size"] == 4 and info["status"] == "finished"
+    assert [r["step"] for r in read_metrics(tmp_path / "two_nodes")] == [1, 2, 3, 4, 5]
