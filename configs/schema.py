@@ -108,6 +108,7 @@ class TrainConfig:
     device: str = F("auto", "auto (cuda if available) | cpu | cuda")
     cpu_threads: int = F(0, "torch threads per process on CPU; 0 = cores / local processes")
     deterministic: bool = F(False, "use deterministic algorithms (slower on CUDA)")
+    max_bad_steps: int = F(0, "skip up to K steps with a non-finite loss or grad norm before stopping")
 
 
 @dataclass
@@ -137,11 +138,14 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = F(False, "save distributed checkpoints (arrives with the checkpoint issue)")
-    folder: str = F("checkpoints", "checkpoint folder, relative to the run folder")
+    enabled: bool = F(False, "save distributed checkpoints (DCP) during training")
+    folder: str = F("checkpoints", "checkpoint folder, relative to the run folder (or absolute)")
     interval: int = F(500, "save every N steps")
     keep_latest: int = F(2, "keep only the newest K checkpoints; 0 keeps all")
-    load: Optional[str] = F(None, "path or 'latest' to resume from")
+    async_save: bool = F(False, "write checkpoints in the background (dcp.async_save)")
+    save_at_end: bool = F(True, "save after the last step (when enabled)")
+    load: Optional[str] = F(None, "resume from 'latest' (this run's newest, if any) or a checkpoint path")
+    init_from: Optional[str] = F(None, "initial weights from a seed checkpoint (`meshforge init`), any mesh")
 
 
 @dataclass

@@ -263,9 +263,6 @@ def _check_combinations(r: Recipe) -> list[Problem]:
         problems.append(Problem("compile.enabled", True,
                                 "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "
                                 "set compile.enabled=false or mesh.tp=1"))
-    if r.checkpoint.enabled:
-        problems.append(Problem("checkpoint.enabled", True,
-                                "distributed checkpointing is not implemented yet; set checkpoint.enabled=false"))
     return problems
 
 
@@ -286,6 +283,9 @@ def _check_ranges(r: Recipe) -> list[Problem]:
         ("activation_checkpoint.selective_every", r.activation_checkpoint.selective_every,
          r.activation_checkpoint.selective_every > 0, "must be > 0"),
         ("data.markov_branching", r.data.markov_branching, r.data.markov_branching > 0, "must be > 0"),
+        ("checkpoint.interval", r.checkpoint.interval, r.checkpoint.interval > 0, "must be > 0"),
+        ("checkpoint.keep_latest", r.checkpoint.keep_latest, r.checkpoint.keep_latest >= 0, "must be >= 0 (0 keeps all)"),
+        ("train.max_bad_steps", r.train.max_bad_steps, r.train.max_bad_steps >= 0, "must be >= 0"),
     ]
     return [Problem(name, value, fix) for name, value, ok, fix in checks if not ok]
 

@@ -100,7 +100,8 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
             err_console.print(f"  - {m}", highlight=False)
         err_console.print("  `run_recipe RECIPE --dry-run` shows the plan without running it.")
         return EXIT_BAD_RECIPE
-    if launching or not under_torchrun() or os.environ.get("RANK") == "0":
+    resuming = recipe.checkpoint.load is not None  # a resumed run continues its own records
+    if not resuming and (not under_torchrun() or os.environ.get("RANK") == "0"):
         _set_aside_previous_run(recipe)
     try:
         if launching:
@@ -117,7 +118,9 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
     except Exception as e:  # the run's records are already closed by the trainer
         from meshforge.launch import LaunchFailed
 
-        if not isinstance(e, (LaunchFailed, FloatingPointError)):
+        from meshforge.train import Preempted
+
+        if not isinstance(e, (LaunchFailed, FloatingPointError, Preempted, OSError)):
             raise
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 1
@@ -136,6 +139,40 @@ def _set_aside_previous_run(recipe: Recipe) -> None:
             target = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}")
         run_dir.rename(target)
         console.print(f"note: an earlier run's records were moved to {target}", highlight=False)
+
+
+def _init(args) -> int:
+    import torch
+
+    from meshforge.checkpoint import save_seed_checkpoint
+    from meshforge.models import args_from_config, get_model_spec
+
+    recipe_arg, overrides = _split_positionals(args.items)
+    try:
+        recipe = load_recipe(recipe_arg, overrides, world_size=_world_size(args.nproc))
+    except RecipeError as e:
+        _print_problems(e)
+        return EXIT_BAD_RECIPE
+    with torch.device("cpu"):
+        model = get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
+    model.init_weights(seed=recipe.seed)
+    path = save_seed_checkpoint(model, Path(args.out), {"recipe": recipe_to_dict(recipe), "seed": recipe.seed})
+    console.print(f"seed checkpoint: {path}  (start any mesh from it with checkpoint.init_from={args.out})",
+                  highlight=False)
+    return 0
+
+
+def _export(args) -> int:
+    from meshforge.checkpoint import export_safetensors, resolve_load
+
+    try:
+        path = resolve_load(args.checkpoint, Path(args.checkpoint))
+    except FileNotFoundError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return EXIT_BAD_RECIPE
+    out = export_safetensors(path, Path(args.out))
+    console.print(f"exported {path} -> {out}", highlight=False)
+    return 0
 
 
 def _explain(target: str | None) -> int:
@@ -174,12 +211,24 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     ex = sub.add_parser("explain", help="document recipe sections and fields")
     ex.add_argument("field", nargs="?", help="a section (train) or field (train.steps)")
     sub.add_parser("recipes", help="list the recipes shipped with meshforge")
+    ini = sub.add_parser("init", help="write a seed checkpoint: the recipe's initial weights, loadable on any mesh")
+    ini.add_argument("items", nargs="*", metavar="RECIPE|key=value")
+    ini.add_argument("--out", required=True, help="folder for the seed checkpoint")
+    ini.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    exp = sub.add_parser("export", help="export a checkpoint's model")
+    exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
+    exp.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
+    exp.add_argument("out", help="output folder")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         return run_recipe_main(argv[1:])
+    if argv[:1] == ["init"]:  # options may come between the recipe and its overrides
+        return _init(ini.parse_intermixed_args(argv[1:]))
     args = p.parse_args(argv)
     if args.cmd == "explain":
         return _explain(args.field)
+    if args.cmd == "export":
+        return _export(args)
     from meshforge.configs.loader import embedded_recipes
 
     for name, path in sorted(embedded_recipes().items()):

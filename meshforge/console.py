@@ -56,6 +56,10 @@ class RunConsole:
             self.console.print(f"step {step}/{self._total}  loss {loss}  grad_norm {metrics['grad_norm']:.3f}  "
                                f"lr {metrics['lr']:.2e}  {tps} tok/s")
 
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(f"[yellow]{text}[/]", highlight=False)
+
     def finish(self, trainer, run_dir: Path, loggers, status: str) -> None:
         if not self.enabled:
             return

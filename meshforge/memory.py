@@ -38,13 +38,15 @@ def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_tensors(parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def model_state_tensors(parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Parameters, their gradients, and the optimizers' per-parameter state."""
     out = []
     for part in parts:
         for p in part.parameters():
             out += [p, p.grad]
-    for state in optimizer.state.values():
-        out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    for opt in optimizers:
+        for state in opt.state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return out
 
 

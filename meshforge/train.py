@@ -9,7 +9,9 @@ tokens in the whole global batch, so losses and gradients match across mesh shap
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import signal
 import time
 import uuid
 import warnings
@@ -26,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import meshforge
 from meshforge import distributed as mfdist
 from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.checkpoint import Checkpointer, ModelState, OptimizerState, check_writable, resolve_load
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 from meshforge.console import RunConsole
 from meshforge.data import ShardedLoader, build_source, loss_floor
@@ -127,9 +130,10 @@ class Trainer:
             part.train()
         self.params = [p for part in self.pmodel.parts for p in part.parameters()]
 
-        self.optimizer = build_optimizer(self.params, r.optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_multiplier(s, r.train.steps, r.lr_scheduler))
+        # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
+        self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, r.train.steps, r.lr_scheduler))
+                           for opt in self.optimizers]
 
         # data: this rank's dp coordinate decides its slice of every global batch
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
@@ -145,9 +149,40 @@ class Trainer:
             self.schedule = build_schedule(self.pmodel.parts, self.pmodel.stage_ids, self.meshes.pp, r.pp,
                                            self.env.device, self._pipeline_loss)
         self.use_loss_parallel = self.dims.tp_enabled and r.tp.loss_parallel
+        self.run_dir = Path(r.output_dir) / r.run_name
+        self._setup_checkpoints()
         # without FSDP there is no MixedPrecisionPolicy: reduced precision means autocast
         self.autocast_dtype = DTYPES[r.fsdp.param_dtype] if not self.dims.fsdp_enabled else torch.float32
-        self.state = RunState()
+        self.state = RunState(step=self.start_step)
+        self._stop_requested = False
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def _setup_checkpoints(self) -> None:
+        """Seed weights or resume state (any mesh), and a writable place for new checkpoints."""
+        c = self.recipe.checkpoint
+        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
+        self.checkpointer = Checkpointer(c, folder, ModelState(self.pmodel.parts),
+                                         OptimizerState(self.pmodel.parts, self.optimizers), self.env.is_main)
+        if c.enabled and self.env.is_main:
+            check_writable(folder, need_bytes=12 * self.n_params)  # fp32 params + AdamW moments
+        self.start_step, self.resumed = 0, None
+        path = resolve_load(c.load, folder) if c.load else None
+        if path is not None:
+            meta = self.checkpointer.load(path)
+            self.start_step = meta["step"]
+            self.loader.load_state_dict({"position": meta["data_position"]})
+            for sched in self.schedulers:
+                sched.load_state_dict(meta["lr_scheduler"])
+            self.resumed = {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}
+        elif c.init_from:
+            self.checkpointer.load(resolve_load(c.init_from, Path(c.init_from)), model_only=True)
+
+    def save_checkpoint(self, step: int, run_id: str | None) -> None:
+        self.checkpointer.save(step, {
+            "step": step, "data_position": self.loader.position, "lr_scheduler": self.schedulers[0].state_dict(),
+            "run_id": run_id, "mesh": self.dims.degrees, "recipe": recipe_to_dict(self.recipe),
+        })
 
     # --- one step -------------------------------------------------------------------
 
@@ -193,34 +228,44 @@ class Trainer:
         for ce in self._ce_sums:
             ce_total += ce.full_tensor() if isinstance(ce, DTensor) else ce
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
-        grad_norm = clip_grad_norm(self.params, r.train.max_norm, pp_group)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group))
         # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it
         if dist.is_initialized():
             dist.all_reduce(ce_total)
             ce_total /= self.dims.tp
-        return {"loss": float(ce_total / n_tokens), "grad_norm": float(grad_norm), "lr": lr,
-                "tokens": int(n_tokens.item())}
+        loss = float(ce_total / n_tokens)
+        lr = self.schedulers[0].get_last_lr()[0]
+        # loss and norm are reduced over all ranks, so every rank takes the same branch
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            for opt, sched in zip(self.optimizers, self.schedulers):
+                opt.step()
+                sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(n_tokens.item()), "finite": finite}
 
     # --- the run --------------------------------------------------------------------
 
     def run(self) -> RunState:
         r, env, st = self.recipe, self.env, self.state
-        run_dir = Path(r.output_dir) / r.run_name
+        run_dir = self.run_dir
         console = RunConsole(enabled=env.is_main and r.logging.progress)
         loggers, run_info = None, {}
         if env.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             run_info = self._run_info(run_dir)
+            if self.resumed is not None:
+                # the record continues: steps after the checkpoint will be logged again
+                truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
             write_json_atomic(run_dir / "run.json", run_info)
             loggers = Loggers(r.logging, run_dir, r.run_name, run_info["run_id"], recipe_to_dict(r), console.console)
             console.start(self, run_dir)
-        status = "failed"
+        run_id = self._broadcast_run_id(run_info.get("run_id"))
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        status, bad_steps = "failed", 0
         try:
-            for step in range(1, r.train.steps + 1):
+            for step in range(self.start_step + 1, r.train.steps + 1):
                 t0 = time.perf_counter()
                 out = self.train_step()
                 if env.device.type == "cuda":
@@ -230,21 +275,37 @@ class Trainer:
                 st.losses.append(out["loss"])
                 st.step_times.append(dt)
                 st.tokens_per_sec.append(out["tokens"] / dt)
-                if step % r.logging.log_every == 0 or step == r.train.steps:
+                if step % r.logging.log_every == 0 or step == r.train.steps or not out["finite"]:
                     metrics = self._metrics(step, out, dt)
                     if loggers is not None:
                         loggers.log(metrics)
                     console.update(step, metrics)
-                if not math.isfinite(out["loss"]):
-                    raise FloatingPointError(f"loss is {out['loss']} at step {step}; lower optimizer.lr or check the data")
+                if not out["finite"]:
+                    bad_steps += 1
+                    if bad_steps > r.train.max_bad_steps:
+                        raise FloatingPointError(
+                            f"non-finite loss ({out['loss']}) or grad norm ({out['grad_norm']}) at step {step}; the "
+                            f"update was not applied. Lower optimizer.lr, check the data, or allow skipping with "
+                            f"train.max_bad_steps (now {r.train.max_bad_steps})")
+                    console.note(f"step {step}: non-finite loss or grad norm, update skipped "
+                                 f"({bad_steps}/{r.train.max_bad_steps} allowed)")
+                c = r.checkpoint
+                if c.enabled and (step % c.interval == 0 or (c.save_at_end and step == r.train.steps)):
+                    self.save_checkpoint(step, run_id)
+                if self._stop_agreed():
+                    if c.enabled and step % c.interval != 0 and step != r.train.steps:
+                        self.save_checkpoint(step, run_id)
+                    status = "preempted"
+                    raise Preempted(f"stopped by a signal after step {step}"
+                                    + ("; checkpoint saved, resume with checkpoint.load=latest" if c.enabled else ""))
+            self.checkpointer.wait()
             status = "finished"
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
         except BaseException as e:
             run_info["error"] = f"{type(e).__name__}: {e}"
             raise
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             if env.is_main:
                 summary = self.summary()
                 run_info.update(status=status, end_time=time.time(), summary=summary)
@@ -253,8 +314,24 @@ class Trainer:
                 console.finish(self, run_dir, loggers, status)
         return st
 
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True  # acted on at the end of the step, on every rank together
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor(float(self._stop_requested), device=self.env.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _broadcast_run_id(self, run_id: str | None) -> str | None:
+        if not dist.is_initialized():
+            return run_id
+        box = [run_id]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
-        state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizer))
+        state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizers))
         mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, per_rank
         return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
@@ -277,8 +354,10 @@ class Trainer:
         return out
 
     def _run_info(self, run_dir: Path) -> dict:
+        resumed = self.resumed or {}
         return {
-            "run_id": f"{self.recipe.run_name}-{uuid.uuid4().hex[:8]}",
+            "run_id": resumed.get("run_id") or f"{self.recipe.run_name}-{uuid.uuid4().hex[:8]}",
+            "resumed_from": resumed.get("path"),
             "run_name": self.recipe.run_name,
             "status": "running",
             "start_time": time.time(),
@@ -291,6 +370,20 @@ class Trainer:
             "versions": {"meshforge": meshforge.__version__, "torch": torch.__version__},
             "records": {"metrics": str(run_dir / "metrics.jsonl")},
         }
+
+
+class Preempted(RuntimeError):
+    """The run was stopped by SIGTERM/SIGINT (after saving a checkpoint when enabled)."""
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only records up to `last_step`, so a resumed run logs every step exactly once."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def train(recipe: Recipe) -> RunState:

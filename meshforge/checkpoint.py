@@ -1,0 +1,223 @@
+"""Distributed checkpoints (torch.distributed.checkpoint), saved atomically, loadable on any mesh.
+
+A checkpoint is a folder `step-00000050/` holding DCP shards of the model and optimizer
+(keyed by parameter FQN with global shapes, so DCP reshards on load: save on FSDP 4,
+resume on dp 2 x tp 2 or a single process) and `meta.json` (step, global data position,
+LR schedule, W&B run id, the recipe). It is written as `step-00000050.tmp/` and renamed
+only once every rank has finished: a folder without `meta.json` is never loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from meshforge.configs.schema import CheckpointConfig
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+META = "meta.json"
+# optimizer state keyed by parameter FQN (not by index), so it reshards like the model
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ModelState(Stateful):
+    """This rank's model parts (pipeline stages) as one FQN -> tensor mapping."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            own = get_model_state_dict(part)
+            set_model_state_dict(part, {k: state[k] for k in own})
+
+
+class OptimizerState(Stateful):
+    """One optimizer per model part, flattened to FQN keys and merged."""
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts, self.optimizers = parts, optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for part, opt in zip(self.parts, self.optimizers)
+                for k, v in get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS).items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, opt in zip(self.parts, self.optimizers):
+            own = get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
+            set_optimizer_state_dict(part, opt, {k: state[k] for k in own}, options=OPTIM_OPTIONS)
+
+
+def committed(folder: Path) -> list[Path]:
+    """Complete checkpoints in `folder`, oldest first; incomplete ones are warned about."""
+    if not folder.is_dir():
+        return []
+    done = []
+    for p in folder.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / META).is_file() and (p / ".metadata").is_file():
+            done.append((int(m.group(1)), p))
+        elif p.name.startswith("step-"):
+            warnings.warn(f"ignoring incomplete checkpoint {p} (no {META}: it was never committed)", stacklevel=2)
+    return [p for _, p in sorted(done)]
+
+
+def resolve_load(spec: str, folder: Path) -> Path | None:
+    """`latest` -> newest complete checkpoint in `folder` (None if there is none yet);
+    a path -> that checkpoint, or the newest complete one inside it."""
+    if spec == "latest":
+        found = committed(folder)
+        return found[-1] if found else None
+    path = Path(spec)
+    if (path / META).is_file():
+        return path
+    found = committed(path)
+    if not found:
+        raise FileNotFoundError(f"checkpoint.load = {spec!r}: no complete checkpoint there; "
+                                "use 'latest' or a step-NNNNNNNN folder with meta.json")
+    return found[-1]
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / META).read_text())
+
+
+def check_writable(folder: Path, need_bytes: float) -> None:
+    """Fail before training, not at the first save, if checkpoints cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
+                      "set checkpoint.folder to a writable path") from None
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes:
+        raise OSError(f"checkpoint folder {folder} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
+                      f"{need_bytes / 2**30:.1f} GiB; free space or point checkpoint.folder elsewhere")
+
+
+class Checkpointer:
+    """Saves (sync or async) and commits checkpoints; every rank calls every method."""
+
+    def __init__(self, cfg: CheckpointConfig, folder: Path, model: ModelState, optim: OptimizerState, is_main: bool):
+        self.cfg, self.folder, self.is_main = cfg, folder, is_main
+        self.state = {"model": model, "optim": optim}
+        self._pending = None  # (future, tmp folder, meta) of an async save
+        # async saves run collectives from a thread: give them their own group, so they
+        # never interleave with the training step's collectives on the default group
+        self._pg = dist.new_group(backend="gloo") if (cfg.async_save and dist.is_initialized()) else None
+
+    def save(self, step: int, meta: dict) -> None:
+        self.wait()
+        tmp = self.folder / f"step-{step:08d}.tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        if self.cfg.async_save:
+            future = dcp.async_save(self.state, checkpoint_id=str(tmp), process_group=self._pg)
+            self._pending = (future, tmp, meta)
+        else:
+            with _single_process():
+                dcp.save(self.state, checkpoint_id=str(tmp))
+            self._commit(tmp, meta)
+
+    def wait(self) -> None:
+        """Finish and commit an async save in flight."""
+        if self._pending is not None:
+            future, tmp, meta = self._pending
+            self._pending = None
+            future.result()
+            self._commit(tmp, meta)
+
+    def _commit(self, tmp: Path, meta: dict) -> None:
+        _barrier()  # every rank has written its shards
+        if self.is_main:
+            (tmp / META).write_text(json.dumps({**meta, "saved_at": time.time()}, indent=1, default=str))
+            final = tmp.with_suffix("")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            if self.cfg.keep_latest > 0:
+                for old in committed(self.folder)[: -self.cfg.keep_latest]:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+
+    def load(self, path: Path, model_only: bool = False) -> dict:
+        """Load `path` into this rank's parts (resharding as needed); returns its meta."""
+        state = {"model": self.state["model"]} if model_only else self.state
+        with _single_process():
+            dcp.load(state, checkpoint_id=str(path))
+        return read_meta(path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns that it assumes one process when there is no process group: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_seed_checkpoint(model: nn.Module, out: Path, meta: dict) -> Path:
+    """Write one process's full initial weights as a step-0 checkpoint any mesh can load."""
+    target = out / "step-00000000"
+    tmp = out / "step-00000000.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with _single_process():
+        dcp.save({"model": ModelState([model])}, checkpoint_id=str(tmp))
+    (tmp / META).write_text(json.dumps({**meta, "step": 0, "seed_checkpoint": True}, indent=1, default=str))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def export_safetensors(checkpoint: Path, out: Path) -> Path:
+    """Consolidate a checkpoint's model into one unsharded safetensors file (+ config)."""
+    from safetensors.torch import save_file
+
+    from meshforge.models import args_from_config, get_model_spec
+    from meshforge.configs.schema import ModelConfig
+
+    meta = read_meta(checkpoint)
+    model_cfg = ModelConfig(**meta["recipe"]["model"])
+    args = args_from_config(model_cfg)
+    model = get_model_spec(model_cfg.name).build(args)
+    with _single_process():
+        dcp.load({"model": ModelState([model])}, checkpoint_id=str(checkpoint))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if args.tie_embeddings:
+        tensors.pop("output.weight")  # shared with tok_embeddings.weight; safetensors stores it once
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])})
+    (out / "config.json").write_text(json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1))
+    return out / "model.safetensors"
