@@ -1,0 +1,188 @@
+"""Checkpoints and failures: nothing is lost, and a resumed run continues exactly, on any mesh."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshforge.checkpoint import committed, resolve_load
+
+from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
+
+ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
+CKPT = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_latest=0"]
+
+# sitecustomize hooks, injected into every worker; RANK is read at call time
+KILL_RANK1_AT_STEP7 = """
+import os, signal
+import meshforge.train as t
+original = t.Trainer.train_step
+def step(self):
+    if os.environ.get("RANK") == "1" and self.state.step == 6:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self)
+t.Trainer.train_step = step
+"""
+NAN_AT_STEP4 = """
+import meshforge.train as t
+original_step, original_ce = t.Trainer.train_step, t.cross_entropy_sum
+def step(self):
+    t._current_step = self.state.step + 1
+    return original_step(self)
+def ce(logits, labels):
+    out = original_ce(logits, labels)
+    return out * float("nan") if getattr(t, "_current_step", 0) == 4 else out
+t.Trainer.train_step, t.cross_entropy_sum = step, ce
+"""
+
+
+def _args(out: Path, name: str, *extra: str) -> list[str]:
+    return [str(RECIPES / "debug_cpu.toml"), *ONE_RANK, *QUICK, "train.steps=10", f"output_dir={out}",
+            f"run_name={name}", *extra]
+
+
+def _hook_env(tmp_path: Path, code: str) -> dict:
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(code)
+    return cli_env(PYTHONPATH=str(hook))
+
+
+def _losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted FSDP-4 run with checkpoints at steps 5 and 10."""
+    out = tmp_path_factory.mktemp("ckpt")
+    proc = run_cli(_args(out, "ref", "mesh.dp_shard=4", *CKPT), cwd=out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "ref"
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_rank_then_resume_gives_the_same_curve(reference, tmp_path):
+    """kill -9 of rank 1 mid-run ends the job promptly; rerunning with resume continues
+    from the last complete checkpoint, bit-identical on the same mesh, each step logged once."""
+    args = _args(tmp_path, "killed", "mesh.dp_shard=4", *CKPT)
+    start = time.monotonic()
+    proc = run_cli(args, cwd=tmp_path, env=_hook_env(tmp_path, KILL_RANK1_AT_STEP7))
+    assert proc.returncode == 1 and "rank 1 failed" in proc.stderr and "SIGKILL" in proc.stderr
+    assert time.monotonic() - start < 60
+    run_dir = tmp_path / "killed"
+    assert [p.name for p in committed(run_dir / "checkpoints")] == ["step-00000005"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    proc = run_cli([*args, "checkpoint.load=latest"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 11))  # each step exactly once
+    assert _losses(run_dir) == _losses(reference)  # bit-identical
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["run_id"] == run_id and info["resumed_from"].endswith("step-00000005")  # same W&B run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [["mesh.dp_shard=2", "mesh.tp=2"], ["mesh.dp_shard=2", "mesh.pp=2"], []],
+                         ids=["dp2xtp2", "pp2xdp2", "1proc"])
+def test_resume_on_another_mesh(reference, tmp_path, mesh):
+    step5 = reference / "checkpoints" / "step-00000005"
+    proc = run_cli(_args(tmp_path, "moved", *mesh, f"checkpoint.load={step5}"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, ref = _losses(tmp_path / "moved"), _losses(reference)
+    assert sorted(got) == list(range(6, 11))
+    for s in got:
+        assert abs(got[s][0] - ref[s][0]) <= 1e-5 and abs(got[s][1] - ref[s][1]) <= 1e-5, (s, got[s], ref[s])
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path):
+    for name in ("step-00000005", "step-00000010.tmp", "step-00000015"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_text("x")
+    (tmp_path / "step-00000005" / "meta.json").write_text('{"step": 5}')
+    with pytest.warns(UserWarning, match="incomplete checkpoint"):
+        assert resolve_load("latest", tmp_path) == tmp_path / "step-00000005"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert resolve_load("latest", tmp_path / "nothing-here") is None
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            resolve_load(str(tmp_path / "nothing-here"), tmp_path)
+
+
+@pytest.mark.slow
+def test_nan_stops_the_run_and_keeps_the_checkpoint_before_it(tmp_path):
+    args = _args(tmp_path, "nan", "mesh.dp_shard=2", "checkpoint.enabled=true", "checkpoint.interval=2")
+    env = _hook_env(tmp_path, NAN_AT_STEP4)
+    proc = run_cli(args, cwd=tmp_path, env=env)
+    assert proc.returncode == 1 and "at step 4" in proc.stderr and "train.max_bad_steps" in proc.stderr
+    run_dir = tmp_path / "nan"
+    assert [p.name for p in committed(run_dir / "checkpoints")] == ["step-00000002"]
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "failed"
+    # allowed to skip one bad step, the same run finishes, without applying the NaN update
+    proc = run_cli([*_args(tmp_path, "nan_skip", "mesh.dp_shard=2", "train.max_bad_steps=1")], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_metrics(tmp_path / "nan_skip")
+    assert rows[3]["loss"] != rows[3]["loss"] and all(r["loss"] == r["loss"] for r in rows[4:])  # NaN only at 4
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_nonzero(tmp_path):
+    args = _args(tmp_path, "term", "train.steps=100000", "checkpoint.enabled=true", "checkpoint.interval=100000",
+                 "checkpoint.save_at_end=false")
+    exe = Path(sys.executable).parent / "run_recipe"
+    proc = subprocess.Popen([str(exe), *args], cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while (not metrics.exists() or metrics.read_text().count("\n") < 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "stopped by a signal" in err
+    saved = committed(tmp_path / "term" / "checkpoints")
+    assert len(saved) == 1
+    step = json.loads((saved[0] / "meta.json").read_text())["step"]
+    assert step == read_metrics(tmp_path / "term")[-1]["step"]  # saved the last completed step
+    assert json.loads((tmp_path / "term" / "run.json").read_text())["status"] == "preempted"
+
+
+def test_unwritable_checkpoint_folder_fails_before_training(tmp_path):
+    proc = run_cli(_args(tmp_path, "ro", "checkpoint.enabled=true", "checkpoint.folder=/proc/meshforge-ckpt"),
+                   cwd=tmp_path)
+    assert proc.returncode == 1 and "not writable" in proc.stderr and "checkpoint.folder" in proc.stderr
+    assert not (tmp_path / "ro" / "metrics.jsonl").exists()
+
+
+def test_seed_checkpoint_and_safetensors_export(tmp_path):
+    """`meshforge init` writes the recipe's initial weights; a run started from it on any mesh
+    equals one that initialised itself; `meshforge export` gives the trained weights unsharded."""
+    from safetensors.torch import load_file
+
+    from meshforge.configs import load_recipe
+    from meshforge.train import Trainer
+
+    proc = run_cli(["init", str(RECIPES / "debug_cpu.toml"), "--out", str(tmp_path / "seed")], cwd=tmp_path,
+                   program="meshforge")
+    assert proc.returncode == 0, proc.stderr
+    common = [*ONE_RANK, *QUICK, "train.steps=3", f"output_dir={tmp_path}", *CKPT]
+    seeded = Trainer(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=s", "seed=99",
+                                                              f"checkpoint.init_from={tmp_path / 'seed'}"]))
+    plain = Trainer(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=p"]))
+    for (n, a), b in zip(seeded.pmodel.parts[0].named_parameters(), plain.pmodel.parts[0].parameters()):
+        assert torch.equal(a, b), n  # seed 99 was overridden by the seed checkpoint (made with seed 0)
+    plain.run()
+    proc = run_cli(["export", str(tmp_path / "p" / "checkpoints"), str(tmp_path / "export")], cwd=tmp_path,
+                   program="meshforge")
+    assert proc.returncode == 0, proc.stderr
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    trained = plain.pmodel.parts[0].state_dict()
+    assert set(exported) == set(trained)
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
