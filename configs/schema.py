@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 def F(default: Any, doc: str) -> Any:
@@ -149,6 +149,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class SweepConfig:
+    axes: Dict[str, List[str]] = F({}, 'policy axes crossed with every mesh, e.g. "pp.schedule" = ["1F1B", "GPipe"]')
+    steps: int = F(10, "steps per sweep point (a short budget: enough to time a layout)")
+    timeout_s: int = F(600, "a point still running after this many seconds is stopped and recorded as hung")
+    device_memory_gib: Optional[float] = F(None, "skip points whose estimated per-rank memory exceeds this")
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = F(ModelConfig(), "the transformer")
     mesh: MeshConfig = F(MeshConfig(), "the device mesh")
@@ -163,6 +171,7 @@ class Recipe:
     data: DataConfig = F(DataConfig(), "the data stream")
     logging: LoggingConfig = F(LoggingConfig(), "loggers")
     checkpoint: CheckpointConfig = F(CheckpointConfig(), "checkpoints")
+    sweep: SweepConfig = F(SweepConfig(), "mesh-shape sweeps (run_recipe --sweep)")
     output_dir: str = F("outputs", "where run folders are written")
     run_name: Optional[str] = F(None, "run folder name; None = <recipe>-<timestamp>")
     seed: int = F(0, "model-init seed; the same seed gives the same weights on every mesh")

@@ -16,7 +16,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import RecipeError, field_doc, load_recipe, recipe_to_dict, sections
+from meshforge.configs import Problem, RecipeError, field_doc, load_recipe, recipe_to_dict, sections
 from meshforge.configs.schema import Recipe
 
 EXIT_BAD_RECIPE = 2
@@ -49,7 +49,37 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
     p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    _add_sweep_args(p)
     return p
+
+
+def _add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", action="store_true", help="try every valid mesh of --world ranks (see meshforge sweep)")
+    p.add_argument("--world", type=int, default=None, help="world size to sweep (default: the recipe's mesh)")
+    p.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a policy axis crossed with every mesh, e.g. pp.schedule=1F1B,GPipe (repeatable)")
+    p.add_argument("--sweep-dir", default=None, help="sweep folder (default: <output_dir>/sweep-<recipe>-w<world>)")
+
+
+def _sweep(recipe_arg: str | None, overrides: list[str], args) -> int:
+    from meshforge.configs.loader import resolve_recipe_path
+    from meshforge.configs.validate import mesh_world_size
+    from meshforge.sweep import run_sweep
+
+    try:
+        path = resolve_recipe_path(recipe_arg)
+        world = args.world or args.nproc or mesh_world_size(load_recipe(path, overrides, world_size=None))
+        axes = {}
+        for a in args.axis:
+            key, sep, values = a.partition("=")
+            if not sep or not values:
+                raise RecipeError([Problem("--axis", a, "expected KEY=V1,V2, e.g. pp.schedule=1F1B,GPipe")], "sweep")
+            axes[key] = values.split(",")
+        run_sweep(str(path), overrides, world, axes, Path(args.sweep_dir) if args.sweep_dir else None, console)
+    except RecipeError as e:
+        _print_problems(e)
+        return EXIT_BAD_RECIPE
+    return 0
 
 
 def _world_size(nproc: int | None) -> int | None:
@@ -67,6 +97,8 @@ def _print_problems(e: RecipeError) -> None:
 def run_recipe_main(argv: Sequence[str] | None = None) -> int:
     args = _run_parser().parse_intermixed_args(argv)
     recipe_arg, overrides = _split_positionals(args.items)
+    if args.sweep:
+        return _sweep(recipe_arg, overrides, args)
     try:
         recipe = load_recipe(recipe_arg, overrides, world_size=_world_size(args.nproc))
     except RecipeError as e:
@@ -175,6 +207,29 @@ def _export(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from meshforge import compare
+
+    try:
+        runs = compare.find_runs([Path(p) for p in args.paths])
+    except FileNotFoundError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return EXIT_BAD_RECIPE
+    wide = console if console.is_terminal else Console(width=160)
+    wide.print(compare.comparison_table(runs))
+    paths = compare.write_plots(runs, Path(args.out or "compare"), args.metrics.split(","), args.align)
+    console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)
+    if args.baseline is None:
+        return 0
+    try:
+        results = compare.parity(runs, args.baseline, args.tol)
+    except KeyError as e:
+        err_console.print(f"[bold red]error:[/] {e.args[0]}", highlight=False)
+        return EXIT_BAD_RECIPE
+    wide.print(compare.parity_table(results, args.baseline, args.tol))
+    return 0 if all(p["ok"] for p in results) else 1
+
+
 def _explain(target: str | None) -> int:
     secs = sections()
     if target is None:
@@ -215,6 +270,17 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     ini.add_argument("items", nargs="*", metavar="RECIPE|key=value")
     ini.add_argument("--out", required=True, help="folder for the seed checkpoint")
     ini.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    sw = sub.add_parser("sweep", help="try every valid mesh shape of a recipe; rank the layouts")
+    sw.add_argument("items", nargs="*", metavar="RECIPE|key=value")
+    sw.add_argument("--nproc", type=int, default=None, help=argparse.SUPPRESS)
+    _add_sweep_args(sw)
+    cmp = sub.add_parser("compare", help="compare runs or sweeps side by side from their local records (offline)")
+    cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
+    cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")
+    cmp.add_argument("--metrics", default="loss", help="comma-separated metrics to plot, e.g. loss,grad_norm")
+    cmp.add_argument("--align", choices=["step", "tokens"], default="step", help="x axis of the metric plots")
+    cmp.add_argument("--baseline", default=None, help="parity mode: compare every run's losses with this run")
+    cmp.add_argument("--tol", type=float, default=1e-5, help="parity tolerance on loss and grad norm")
     exp = sub.add_parser("export", help="export a checkpoint's model")
     exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
     exp.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
@@ -224,11 +290,16 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         return run_recipe_main(argv[1:])
     if argv[:1] == ["init"]:  # options may come between the recipe and its overrides
         return _init(ini.parse_intermixed_args(argv[1:]))
+    if argv[:1] == ["sweep"]:
+        args = sw.parse_intermixed_args(argv[1:])
+        return _sweep(*_split_positionals(args.items), args)
     args = p.parse_args(argv)
     if args.cmd == "explain":
         return _explain(args.field)
     if args.cmd == "export":
         return _export(args)
+    if args.cmd == "compare":
+        return _compare(args)
     from meshforge.configs.loader import embedded_recipes
 
     for name, path in sorted(embedded_recipes().items()):

@@ -93,12 +93,12 @@ class RunConsole:
 
 
 def memory_table(per_rank: list[dict]) -> Table:
-    """Per-rank memory at the last logged step (GiB)."""
+    """Per-rank memory at the last logged step (MiB)."""
     keys = [k for k in per_rank[0] if not k.endswith(("retries", "ooms"))]
-    table = Table(title="memory per rank (GiB, last logged step)")
+    table = Table(title="memory per rank (MiB, last logged step)")
     table.add_column("rank")
     for k in keys:
-        table.add_column(k)
+        table.add_column(k, justify="right")
     for rank, row in enumerate(per_rank):
-        table.add_row(str(rank), *(f"{row[k] / GiB:.3f}" for k in keys))
+        table.add_row(str(rank), *(f"{row[k] / 2**20:,.1f}" for k in keys))
     return table

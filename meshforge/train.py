@@ -259,7 +259,9 @@ class Trainer:
                 # the record continues: steps after the checkpoint will be logged again
                 truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
             write_json_atomic(run_dir / "run.json", run_info)
-            loggers = Loggers(r.logging, run_dir, r.run_name, run_info["run_id"], recipe_to_dict(r), console.console)
+            # flat mesh keys let the W&B UI group and plot runs by layout
+            config = {**recipe_to_dict(r), **self.dims.degrees, "world_size": env.world_size, "layout": self.dims.label()}
+            loggers = Loggers(r.logging, run_dir, r.run_name, run_info["run_id"], config, console.console)
             console.start(self, run_dir)
         run_id = self._broadcast_run_id(run_info.get("run_id"))
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -348,6 +350,8 @@ class Trainer:
         floor = loss_floor(self.source)
         if floor is not None:
             out["loss_floor"] = floor
+        if st.per_rank_memory:
+            out["per_rank_memory"] = st.per_rank_memory
         peak_key = "mem/cuda_peak_active_max" if self.env.device.type == "cuda" else "mem/rss_peak_max"
         if peak_key in st.last_memory:
             out["peak_memory_bytes"] = st.last_memory[peak_key]

@@ -1,0 +1,191 @@
+"""Compare runs side by side from their local records, fully offline: a table and PNG plots,
+and a loss-parity check (does a new layout train the same model as a baseline?)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+GiB = 1024**3
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    info: dict  # run.json
+    rows: list[dict]  # metrics.jsonl
+
+    @property
+    def layout(self) -> str:
+        from meshforge.parallelisms import ParallelDims
+
+        return ParallelDims(**{k: self.info["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")}).label()
+
+    @property
+    def policy(self) -> str:
+        r = self.info["recipe"]
+        parts = []
+        if self.info["mesh"]["pp"] > 1:
+            parts.append(f"{r['pp']['schedule']} x{r['pp']['microbatches']}")
+        if r["activation_checkpoint"]["mode"] != "none":
+            parts.append(f"AC {r['activation_checkpoint']['mode']}")
+        if r["fsdp"]["param_dtype"] != "float32":
+            parts.append(r["fsdp"]["param_dtype"])
+        if not r["fsdp"]["reshard_after_forward"] and self.info["mesh"]["dp_shard"] > 1:
+            parts.append("no reshard")
+        if r["compile"]["enabled"]:
+            parts.append("compile")
+        return ", ".join(parts) or "-"
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.info["recipe"]["train"]
+        return t["global_batch_size"] * t["seq_len"]
+
+    def steady(self, key: str) -> float | None:
+        vals = [r[key] for r in self.rows[1:] or self.rows if key in r]  # the first step pays for warm-up
+        return sum(vals) / len(vals) if vals else None
+
+    def peak_memory(self) -> tuple[float | None, float | None]:
+        kind = "cuda_peak_active" if self.info.get("device") == "cuda" else "rss_peak"
+        last = self.rows[-1] if self.rows else {}
+        return last.get(f"mem/{kind}_max"), last.get(f"mem/{kind}_min")
+
+    def per_rank_peak(self) -> list[float]:
+        kind = "cuda_peak_active" if self.info.get("device") == "cuda" else "rss_peak"
+        return [r[kind] for r in self.info.get("summary", {}).get("per_rank_memory", [])]
+
+
+def find_runs(paths: list[Path]) -> list[Run]:
+    """Runs under `paths`: a run folder (run.json), a sweep folder (sweep.jsonl), or a folder of runs."""
+    found: list[Path] = []
+    for p in paths:
+        if (p / "run.json").is_file():
+            found.append(p)
+        elif (p / "sweep.jsonl").is_file():
+            labels = [json.loads(line)["label"] for line in (p / "sweep.jsonl").read_text().splitlines() if line.strip()]
+            found += [p / lab for lab in dict.fromkeys(labels) if (p / lab / "run.json").is_file()]
+        else:
+            found += sorted(q.parent for q in p.glob("*/run.json"))
+    if not found:
+        raise FileNotFoundError(f"no runs under {', '.join(map(str, paths))}: expected run.json or sweep.jsonl")
+    runs = []
+    for d in found:
+        metrics = d / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+        runs.append(Run(d.name, d, json.loads((d / "run.json").read_text()), rows))
+    return runs
+
+
+def comparison_table(runs: list[Run]) -> Table:
+    common = min((r.rows[-1]["step"] for r in runs if r.rows), default=None)
+    table = Table(title="runs side by side")
+    cols = ["run", "layout", "policy", "world", "status", "tokens/s", "TFLOP/s (6N)", "step s",
+            "peak mem max/min GiB", "final loss", f"loss @ step {common}"]
+    for c in cols:
+        table.add_column(c)
+    for r in runs:
+        tps, step_time = r.steady("tokens_per_sec"), r.steady("step_time")
+        mx, mn = r.peak_memory()
+        at_common = next((x["loss"] for x in r.rows if x["step"] == common), None)
+        table.add_row(
+            r.name, r.layout, r.policy, str(r.info["world_size"]), r.info["status"],
+            f"{tps:,.0f}" if tps else "", f"{6 * r.info['n_params'] * tps / 1e12:.4f}" if tps else "",
+            f"{step_time:.3f}" if step_time else "", f"{mx / GiB:.2f}/{mn / GiB:.2f}" if mx is not None else "",
+            f"{r.rows[-1]['loss']:.4f}" if r.rows else "", f"{at_common:.4f}" if at_common is not None else "",
+        )
+    return table
+
+
+def plot_metric(runs: list[Run], metric: str = "loss", align: str = "step"):
+    """One line per run: `metric` against step or tokens seen."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in runs:
+        rows = [x for x in r.rows if metric in x]
+        xs = [x["step"] * (r.tokens_per_step if align == "tokens" else 1) for x in rows]
+        ax.plot(xs, [x[metric] for x in rows], label=r.name)
+    ax.set_xlabel("tokens" if align == "tokens" else "step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} vs {ax.get_xlabel()}")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_throughput(runs: list[Run]):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = [r.name for r in runs]
+    ax.bar(names, [r.steady("tokens_per_sec") or 0 for r in runs])
+    ax.set_ylabel("tokens/s (all ranks, after step 1)")
+    ax.set_title("throughput")
+    ax.tick_params(axis="x", rotation=45, labelsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory(runs: list[Run]):
+    """Peak memory per rank, grouped by run."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    width = 0.8 / max(1, max((len(r.per_rank_peak()) for r in runs), default=1))
+    labelled: set[int] = set()
+    for i, r in enumerate(runs):
+        for rank, value in enumerate(r.per_rank_peak()):
+            label = None if rank in labelled else f"rank {rank}"
+            labelled.add(rank)
+            ax.bar(i + rank * width, value / GiB, width, color=f"C{rank % 10}", label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], [r.name for r in runs], rotation=45, fontsize="small")
+    ax.set_ylabel("peak memory (GiB)")
+    ax.set_title("peak memory per rank")
+    if any(r.per_rank_peak() for r in runs):
+        ax.legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def parity(runs: list[Run], baseline: str, tol: float) -> list[dict]:
+    """Max per-step |Δloss| and |Δgrad_norm| of every run against `baseline`, on common steps."""
+    base = next((r for r in runs if r.name == baseline), None)
+    if base is None:
+        raise KeyError(f"--baseline {baseline!r} is not among the runs: {', '.join(r.name for r in runs)}")
+    ref = {x["step"]: x for x in base.rows}
+    out = []
+    for r in runs:
+        if r is base:
+            continue
+        common = [x for x in r.rows if x["step"] in ref]
+        dl = max((abs(x["loss"] - ref[x["step"]]["loss"]) for x in common), default=float("nan"))
+        dg = max((abs(x["grad_norm"] - ref[x["step"]]["grad_norm"]) for x in common), default=float("nan"))
+        out.append({"run": r.name, "steps": len(common), "max_dloss": dl, "max_dgrad_norm": dg,
+                    "ok": bool(common) and dl <= tol and dg <= tol})
+    return out
+
+
+def parity_table(results: list[dict], baseline: str, tol: float) -> Table:
+    table = Table(title=f"loss parity against {baseline} (tolerance {tol:g})")
+    for c in ("run", "common steps", "max |Δloss|", "max |Δgrad_norm|", "verdict"):
+        table.add_column(c)
+    for p in results:
+        table.add_row(p["run"], str(p["steps"]), f"{p['max_dloss']:.2e}", f"{p['max_dgrad_norm']:.2e}",
+                      "same" if p["ok"] else "[bold red]DIFFERENT[/]")
+    return table
+
+
+def write_plots(runs: list[Run], out: Path, metrics: list[str], align: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {f"{m}_vs_{align}.png": plot_metric(runs, m, align) for m in metrics}
+    figures["tokens_per_sec.png"] = plot_throughput(runs)
+    figures["peak_memory_per_rank.png"] = plot_memory(runs)
+    paths = []
+    for name, fig in figures.items():
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths

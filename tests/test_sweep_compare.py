@@ -1,0 +1,128 @@
+"""Sweeps over every 4-rank mesh of the debug recipe, and the offline comparison of their records."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from meshforge import compare
+from meshforge.sweep import mesh_shapes, sweep_points
+
+from conftest import QUICK, RECIPES, cli_env, run_cli
+
+# the pp=4 point fails at its first step, on purpose: it must be recorded, not fatal
+FAIL_PP4 = """
+import meshforge.train as t
+original = t.Trainer.train_step
+def step(self):
+    if self.dims.pp == 4:
+        raise RuntimeError("deliberate failure of the pp4 point")
+    return original(self)
+t.Trainer.train_step = step
+"""
+
+
+def test_every_mesh_of_a_world_is_enumerated():
+    shapes = mesh_shapes(8)
+    assert len(shapes) == 20 and len({tuple(s.values()) for s in shapes}) == 20
+    assert all(s["dp_replicate"] * s["dp_shard"] * s["tp"] * s["pp"] == 8 for s in shapes)
+    points = sweep_points(4, {"pp.schedule": ["1F1B", "GPipe"]})
+    assert len(points) == 2 * len(mesh_shapes(4)) == 20
+    assert "dp2-tp2-schedule=GPipe" in {p.label for p in points}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    hook = out / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAIL_PP4)
+    env = cli_env(PYTHONPATH=str(hook))
+    args = [str(RECIPES / "debug_cpu.toml"), "--sweep", "--world", "4", *QUICK, "sweep.steps=3",
+            f"output_dir={out}", "logging.wandb=true", "logging.wandb_mode=offline"]
+    first = run_cli(args, cwd=out, env=env, timeout=1200)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sweep_dir = out / "sweep-debug_cpu-w4"
+    mtimes = {p: p.stat().st_mtime for p in sweep_dir.glob("*/metrics.jsonl") if p.parent.name != "pp4"}
+    second = run_cli(args, cwd=out, env=env, timeout=1200)  # resumable: finished points are kept
+    assert second.returncode == 0, second.stderr[-3000:]
+    return sweep_dir, first.stdout, second.stdout, mtimes
+
+
+@pytest.mark.slow
+def test_sweep_records_every_point(sweep):
+    sweep_dir, out, _, _ = sweep
+    rows = {}
+    for line in (sweep_dir / "sweep.jsonl").read_text().splitlines():
+        rows[json.loads(line)["label"]] = json.loads(line)
+    assert len(rows) == len(mesh_shapes(4)) == 10
+    status = {k: r["status"] for k, r in rows.items()}
+    assert status["tp4"] == "refused" and "n_kv_heads=2" in rows["tp4"]["error"]  # debug model: 2 kv heads
+    assert status["pp4"] == "failed" and "deliberate failure of the pp4 point" in rows["pp4"]["error"]
+    finished = [r for r in rows.values() if r["status"] == "finished"]
+    assert len(finished) == 8
+    for r in finished:
+        assert r["tokens_per_sec"] > 0 and r["peak_memory_max"] >= r["peak_memory_min"] > 0
+        assert r["estimate_gib"] > 0 and r["final_loss"] > 0
+        assert set(r["mesh"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
+    best = max(finished, key=lambda r: r["tokens_per_sec"])
+    assert f"fastest layout that fits: {best['label']}" in out
+    assert " ".join(best["overrides"]) in out  # the overrides that reproduce it
+
+
+@pytest.mark.slow
+def test_sweep_is_resumable(sweep):
+    sweep_dir, _, second, mtimes = sweep
+    assert second.count("finished earlier, kept") == 8 and "refused earlier, kept" in second
+    assert all(p.stat().st_mtime == t for p, t in mtimes.items())  # finished points were not rerun
+    assert "[5/10] pp4: failed" in second or "pp4: failed" in second  # the failed one was tried again
+
+
+@pytest.mark.slow
+def test_points_are_grouped_runs_in_wandb(sweep):
+    sweep_dir, _, _, _ = sweep
+    offline = list(sweep_dir.glob("dp2-tp2/wandb/offline-run-*"))
+    assert offline  # each point is its own W&B run (offline here), in the sweep's group
+    info = json.loads((sweep_dir / "dp2-tp2" / "run.json").read_text())
+    assert info["recipe"]["logging"]["wandb_group"] == "debug_cpu/sweep-debug_cpu-w4"
+    assert "sweep" in info["recipe"]["logging"]["wandb_tags"]
+    assert list(sweep_dir.parent.glob("wandb/offline-run-*"))  # the summary table run
+
+
+@pytest.mark.slow
+def test_compare_renders_table_and_plots(sweep, tmp_path):
+    sweep_dir, _, _, _ = sweep
+    proc = run_cli(["compare", str(sweep_dir), "--out", str(tmp_path / "plots"), "--metrics", "loss,grad_norm",
+                    "--align", "tokens"], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 0, proc.stderr
+    assert "dp2-tp2" in proc.stdout and "1F1B x4" in proc.stdout and "loss @ step 3" in proc.stdout
+    for name in ("loss_vs_tokens.png", "grad_norm_vs_tokens.png", "tokens_per_sec.png", "peak_memory_per_rank.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    runs = compare.find_runs([sweep_dir])
+    assert len(runs) == 9  # 8 finished + the failed pp4 (refused tp4 never ran)
+    fig = compare.plot_metric(runs, "loss")
+    assert len(fig.axes[0].get_lines()) == len(runs)  # one line per run
+    mem = compare.plot_memory(runs)
+    assert len(mem.axes[0].patches) == 4 * 8  # 4 ranks x 8 runs that logged memory
+
+
+@pytest.mark.slow
+def test_parity_mode_flags_a_perturbed_run(sweep, tmp_path):
+    sweep_dir, _, _, _ = sweep
+    runs = tmp_path / "runs"
+    for name in ("dp4", "dp2-tp2"):
+        shutil.copytree(sweep_dir / name, runs / name)
+    shutil.copytree(sweep_dir / "dp2-pp2", runs / "perturbed")
+    metrics = runs / "perturbed" / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    rows[1]["loss"] += 1e-3
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_cli(["compare", str(runs), "--baseline", "dp4", "--out", str(tmp_path / "p")], cwd=tmp_path,
+                   program="meshforge")
+    assert proc.returncode == 1
+    results = {p["run"]: p for p in compare.parity(compare.find_runs([runs]), "dp4", 1e-5)}
+    assert results["dp2-tp2"]["ok"] and results["dp2-tp2"]["max_dloss"] < 1e-5
+    assert not results["perturbed"]["ok"] and results["perturbed"]["max_dloss"] == pytest.approx(1e-3, rel=1e-3)
