@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -30,6 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.stateful import Stateful
 
 from meshforge.configs.schema import CheckpointConfig
@@ -69,6 +73,50 @@ class OptimizerState(Stateful):
         for part, opt in zip(self.parts, self.optimizers):
             own = get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
             set_optimizer_state_dict(part, opt, {k: state[k] for k in own}, options=OPTIM_OPTIONS)
+
+
+# DCP pickles its `.metadata`; only the classes a checkpoint's metadata consists of may be
+# unpickled from it, so loading a checkpoint from elsewhere cannot run code. (Tensor data
+# is read by DCP with torch.load(weights_only=True).)
+_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
+_METADATA_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                   ("pathlib", "PurePosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                   ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        torch_constant = module == "torch" and isinstance(getattr(torch, name, None),
+                                                          (torch.dtype, torch.layout, torch.memory_format))
+        if module in _METADATA_MODULES or (module, name) in _METADATA_NAMES or torch_constant:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which no checkpoint needs; "
+                                     "refusing to load it (the file may be corrupt or malicious)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (corrupt, refused, or of another model)."""
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader, with its metadata unpickled by an allow-list instead of plain pickle."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def dcp_load(state: dict, path: Path) -> None:
+    try:
+        with _single_process():
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    except CheckpointException as e:  # a BaseException carrying every rank's traceback
+        reason = str(e).strip().splitlines()[-1]
+        raise CheckpointError(f"could not load checkpoint {path}: {reason}") from None
 
 
 def committed(folder: Path) -> list[Path]:
@@ -169,9 +217,7 @@ class Checkpointer:
 
     def load(self, path: Path, model_only: bool = False) -> dict:
         """Load `path` into this rank's parts (resharding as needed); returns its meta."""
-        state = {"model": self.state["model"]} if model_only else self.state
-        with _single_process():
-            dcp.load(state, checkpoint_id=str(path))
+        dcp_load({"model": self.state["model"]} if model_only else self.state, path)
         return read_meta(path)
 
 
@@ -212,8 +258,7 @@ def export_safetensors(checkpoint: Path, out: Path) -> Path:
     model_cfg = ModelConfig(**meta["recipe"]["model"])
     args = args_from_config(model_cfg)
     model = get_model_spec(model_cfg.name).build(args)
-    with _single_process():
-        dcp.load({"model": ModelState([model])}, checkpoint_id=str(checkpoint))
+    dcp_load({"model": ModelState([model])}, checkpoint)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     if args.tie_embeddings:
         tensors.pop("output.weight")  # shared with tok_embeddings.weight; safetensors stores it once

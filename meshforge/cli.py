@@ -150,9 +150,10 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
     except Exception as e:  # the run's records are already closed by the trainer
         from meshforge.launch import LaunchFailed
 
+        from meshforge.checkpoint import CheckpointError
         from meshforge.train import Preempted
 
-        if not isinstance(e, (LaunchFailed, FloatingPointError, Preempted, OSError)):
+        if not isinstance(e, (LaunchFailed, FloatingPointError, Preempted, OSError, CheckpointError)):
             raise
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 1

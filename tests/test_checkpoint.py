@@ -186,3 +186,25 @@ def test_seed_checkpoint_and_safetensors_export(tmp_path):
     trained = plain.pmodel.parts[0].state_dict()
     assert set(exported) == set(trained)
     assert all(torch.equal(exported[k], trained[k]) for k in trained)
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > pwned.txt",))
+
+
+def test_checkpoint_metadata_cannot_run_code(tmp_path, monkeypatch):
+    """DCP pickles its metadata; meshforge unpickles it through an allow-list."""
+    import pickle
+
+    from meshforge.checkpoint import dcp_load
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "step-00000001"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(RuntimeError, match=r"(os|posix)\.system, which no checkpoint needs"):
+        dcp_load({"x": torch.zeros(2)}, ckpt)
+    assert not (tmp_path / "pwned.txt").exists()
