@@ -241,7 +241,9 @@ def _check_pipeline(r: Recipe) -> list[Problem]:
     elif local % mb:
         problems.append(Problem("pp.microbatches", mb,
                                 f"must divide the local batch train.micro_batch_size={local}; valid: {_nearest(mb, divisors(local))}"))
-    if p.schedule in ("1F1B", "DualPipeV", "Interleaved1F1B", "InterleavedZeroBubble") and mb < pp:
+    if p.schedule == "DualPipeV" and mb < stages:
+        problems.append(Problem("pp.microbatches", mb, f"DualPipeV needs microbatches >= stages = pp x 2 = {stages}"))
+    elif p.schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble") and mb < pp:
         problems.append(Problem("pp.microbatches", mb, f"{p.schedule} needs microbatches >= pp={pp}"))
     if p.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and mb % pp:
         problems.append(Problem("pp.microbatches", mb, f"{p.schedule} needs a multiple of pp={pp}"))

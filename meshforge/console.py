@@ -76,6 +76,9 @@ class RunConsole:
             rows.append(("loss floor", f"{s['loss_floor']:.4f} (entropy of the synthetic source)"))
         if "tokens_per_sec" in s:
             rows.append(("tokens/s", f"{s['tokens_per_sec']:,.0f} (all ranks, after step 1)"))
+            peak = (f"MFU {s['mfu']:.1%} of {s['peak_tflops_per_device']:.3g} TFLOP/s "
+                    + ("(measured CPU matmul)" if trainer.env.device.type == "cpu" else "(datasheet)")) if "mfu" in s else ""
+            rows.append(("TFLOP/s per device", f"{s['tflops_per_device']:.4g} {peak}"))
         if "peak_memory_bytes" in s:
             which = "CUDA peak active" if trainer.env.device.type == "cuda" else "peak RSS"
             rows.append(("peak memory", f"{s['peak_memory_bytes'] / GiB:.2f} GiB ({which}, max over ranks)"))

@@ -32,6 +32,7 @@ from meshforge.checkpoint import Checkpointer, ModelState, OptimizerState, check
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 from meshforge.console import RunConsole
 from meshforge.data import ShardedLoader, build_source, loss_floor
+from meshforge.flops import flops_per_token, gpu_peak_flops, measure_cpu_matmul_flops
 from meshforge.loggers import Loggers, write_json_atomic
 from meshforge.memory import model_state_tensors, rank_memory, reduce_across_ranks, state_bytes
 from meshforge.models import args_from_config, count_params, get_model_spec
@@ -153,8 +154,21 @@ class Trainer:
         self._setup_checkpoints()
         # without FSDP there is no MixedPrecisionPolicy: reduced precision means autocast
         self.autocast_dtype = DTYPES[r.fsdp.param_dtype] if not self.dims.fsdp_enabled else torch.float32
+        self.flops_per_token = flops_per_token(self.model_args, r.train.seq_len, self.n_params)
+        self.peak_flops = self._device_peak_flops()
         self.state = RunState(step=self.start_step)
         self._stop_requested = False
+
+    def _device_peak_flops(self) -> float | None:
+        """Per-device peak: the GPU's datasheet number, or this CPU's measured matmul rate
+        (rank 0 measures once; every rank uses its figure)."""
+        if self.env.device.type == "cuda":
+            dtype = "bfloat16" if self.recipe.fsdp.param_dtype == "bfloat16" else "float32"
+            return gpu_peak_flops(self.env.device, dtype)
+        peak = torch.tensor(measure_cpu_matmul_flops() if self.env.is_main else 0.0, dtype=torch.float64)
+        if dist.is_initialized():
+            dist.broadcast(peak, src=0)
+        return float(peak)
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -336,17 +350,25 @@ class Trainer:
         state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizers))
         mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, per_rank
+        tokens_per_sec = out["tokens"] / dt
+        flops_per_device = self.flops_per_token * tokens_per_sec / self.env.world_size
+        perf = {"tflops_per_device": flops_per_device / 1e12}
+        if self.peak_flops:
+            perf["mfu"] = flops_per_device / self.peak_flops
         return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
-                "tokens_per_sec": out["tokens"] / dt,
-                "step_time": dt, **mem}
+                "tokens_per_sec": tokens_per_sec, "step_time": dt, **perf, **mem}
 
     def summary(self) -> dict:
         st = self.state
         steady = st.tokens_per_sec[1:] or st.tokens_per_sec  # the first step pays for warm-up
         out = {"steps": st.step}
         if st.losses:
-            out.update(final_loss=st.losses[-1], best_loss=min(st.losses),
-                       tokens_per_sec=sum(steady) / len(steady))
+            tps = sum(steady) / len(steady)
+            out.update(final_loss=st.losses[-1], best_loss=min(st.losses), tokens_per_sec=tps,
+                       tflops_per_device=self.flops_per_token * tps / self.env.world_size / 1e12)
+            if self.peak_flops:
+                out["mfu"] = out["tflops_per_device"] * 1e12 / self.peak_flops
+                out["peak_tflops_per_device"] = self.peak_flops / 1e12
         floor = loss_floor(self.source)
         if floor is not None:
             out["loss_floor"] = floor

@@ -127,3 +127,13 @@ def test_logits_match_torchtitan():
         got = ours(tokens)
     assert expected.std() > 1.0  # the weights are sharp enough for the comparison to mean something
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flops_per_token_for_llama_8b():
+    from meshforge.flops import flops_per_token
+
+    args = model_args("llama3", "8b")
+    # 6 x (8,030,261,248 - 128,256 x 4,096 embedding) + 12 x 32 layers x 32 heads x 128 x 8,192
+    assert flops_per_token(args, 8192, 8_030_261_248) == 6 * 7_504_924_672 + 12_884_901_888
+    tied = model_args("llama3", "1b")  # tied: the embedding matrix is also the output matmul
+    assert flops_per_token(tied, 1, 1_235_814_400) == 6 * 1_235_814_400 + 12 * 16 * 32 * 64

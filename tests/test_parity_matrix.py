@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 KV4 = ["model.n_kv_heads=4"]  # tp=4 needs 4 kv heads; compared with a 1-rank run of the same model
-ZB_FSDP = ["fsdp.reshard_after_forward=false"]  # zero-bubble schedules need it (validation refuses the other)
+ZB_FSDP = ["fsdp.reshard_after_forward=false"]
+L8 = ["model.n_layers=8"]  # pp=4 x 2 virtual stages needs 8 layers  # zero-bubble schedules need it (validation refuses the other)
 
 # name: (overrides, baseline model overrides, tolerance)
 CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
@@ -40,6 +41,12 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "pp2_dualpipev": (["mesh.pp=2", "pp.schedule=DualPipeV", "pp.stages_per_rank=2"], [], 1e-5),
     "pp4_1f1b": (["mesh.pp=4", "pp.schedule=1F1B"], [], 1e-5),
     "pp4_gpipe": (["mesh.pp=4", "pp.schedule=GPipe"], [], 1e-5),
+    "pp4_interleaved1f1b": (["mesh.pp=4", "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=2", *L8], L8, 1e-5),
+    "pp4_loopedbfs": (["mesh.pp=4", "pp.schedule=LoopedBFS", "pp.stages_per_rank=2", *L8], L8, 1e-5),
+    "pp4_interleavedzb": (["mesh.pp=4", "pp.schedule=InterleavedZeroBubble", "pp.stages_per_rank=2", *L8], L8, 1e-5),
+    "pp4_zbv": (["mesh.pp=4", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *L8], L8, 1e-5),
+    "pp4_dualpipev": (["mesh.pp=4", "pp.schedule=DualPipeV", "pp.stages_per_rank=2", "pp.microbatches=8", *L8],
+                      L8, 1e-5),
     "pp2_fsdp2_gpipe": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=GPipe"], [], 1e-5),
     "pp2_fsdp2_1f1b": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=1F1B"], [], 1e-5),
     "pp2_fsdp2_interleaved1f1b": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=Interleaved1F1B",
@@ -57,6 +64,7 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tp2_ac_selective": (["mesh.tp=2", "activation_checkpoint.mode=selective"], [], 1e-5),
     "fsdp2_bf16": (["mesh.dp_shard=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
     "fsdp2_compile": (["mesh.dp_shard=2", "compile.enabled=true"], [], 1e-5),
+    "fsdp2_cpu_offload": (["mesh.dp_shard=2", "fsdp.cpu_offload=true"], [], 1e-5),
 }
 
 

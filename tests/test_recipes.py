@@ -141,6 +141,9 @@ def test_microbatches_vs_batch_and_stages(tmp_path):
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 2\nschedule = \"1F1B\"\n"
                            "[train]\nmicro_batch_size = 8\n")
     assert "needs microbatches >= pp=4" in p["pp.microbatches"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"DualPipeV\"\nstages_per_rank = 2\n"
+                           "microbatches = 2\n[train]\nmicro_batch_size = 8\n")
+    assert "DualPipeV needs microbatches >= stages = pp x 2 = 4" in p["pp.microbatches"]
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"ZBVZeroBubble\"\n")
     assert "exactly 2 stages per rank" in p["pp.stages_per_rank"]
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"GPipe\"\nstages_per_rank = 2\n")

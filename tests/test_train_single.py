@@ -42,6 +42,7 @@ def test_metrics_jsonl_has_every_step_and_key(trained):
                 "mem/state_max", "mem/rss_max_rank"):
         assert key in rows[0], key
     assert rows[0]["tokens_per_sec"] > 0 and rows[0]["mem/rss_max"] > 50e6  # a real process measurement
+    assert rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1  # against this CPU's measured matmul rate
     assert rows[9]["lr"] == pytest.approx(3e-3)  # end of warmup (10 steps) reaches the peak lr
     assert rows[-1]["lr"] < rows[50]["lr"]  # cosine decay
 

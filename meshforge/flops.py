@@ -1,0 +1,51 @@
+"""Model FLOPs per token, achieved FLOP/s, and MFU against the device's peak.
+
+FLOPs per trained token = 6 N + 12 L H Q T (PaLM, appendix B; TorchTitan uses the same):
+6 N for the forward and backward of every matmul weight (N = parameters without the
+input embedding, a lookup), plus the attention scores and weighted values, which scale
+with the sequence length T (L layers, H heads of size Q). Activation recomputation is
+not counted: MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense peak TFLOP/s per device, by (name fragment, compute dtype). MFU is reported only
+# where the device is known; add yours here.
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989.0, "float32": 494.5},  # fp32 column: TF32 tensor cores
+    "H100": {"bfloat16": 989.0, "float32": 494.5},  # SXM
+    "A100": {"bfloat16": 312.0, "float32": 156.0},
+    "L40S": {"bfloat16": 362.0, "float32": 183.0},
+    "A10": {"bfloat16": 125.0, "float32": 62.5},
+    "L4": {"bfloat16": 121.0, "float32": 60.0},
+}
+
+
+def flops_per_token(args, seq_len: int, n_params: int) -> float:
+    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim  # a lookup, not a matmul
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * (n_params - embedding) + attention
+
+
+def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    for fragment, peaks in GPU_PEAK_TFLOPS.items():
+        if fragment in name:
+            return peaks[dtype] * 1e12
+    return None
+
+
+def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+    """This process's fp32 matmul FLOP/s with its current threads: the CPU 'peak' for MFU."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
