@@ -243,11 +243,13 @@ class Trainer:
             ce_total += ce.full_tensor() if isinstance(ce, DTensor) else ce
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
         grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group))
-        # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it
+        # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
+        # request (SIGTERM) rides along in the same all-reduce, so all ranks stop together.
+        packed = torch.stack([ce_total, torch.tensor(float(self._stop_requested), device=env.device)])
         if dist.is_initialized():
-            dist.all_reduce(ce_total)
-            ce_total /= self.dims.tp
-        loss = float(ce_total / n_tokens)
+            dist.all_reduce(packed)
+            packed[0] /= self.dims.tp
+        loss, stop = float(packed[0] / n_tokens), bool(packed[1] > 0)
         lr = self.schedulers[0].get_last_lr()[0]
         # loss and norm are reduced over all ranks, so every rank takes the same branch
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -257,7 +259,8 @@ class Trainer:
                 sched.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(n_tokens.item()), "finite": finite}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(n_tokens.item()), "finite": finite,
+                "stop": stop}
 
     # --- the run --------------------------------------------------------------------
 
@@ -308,7 +311,7 @@ class Trainer:
                 c = r.checkpoint
                 if c.enabled and (step % c.interval == 0 or (c.save_at_end and step == r.train.steps)):
                     self.save_checkpoint(step, run_id)
-                if self._stop_agreed():
+                if out["stop"]:
                     if c.enabled and step % c.interval != 0 and step != r.train.steps:
                         self.save_checkpoint(step, run_id)
                     status = "preempted"
@@ -332,12 +335,6 @@ class Trainer:
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True  # acted on at the end of the step, on every rank together
-
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor(float(self._stop_requested), device=self.env.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _broadcast_run_id(self, run_id: str | None) -> str | None:
         if not dist.is_initialized():
