@@ -100,7 +100,6 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -
 class RunState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
     tokens_per_sec: list[float] = field(default_factory=list)
     last_memory: dict = field(default_factory=dict)
     per_rank_memory: list = field(default_factory=list)
@@ -292,7 +291,6 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 st.step = step
                 st.losses.append(out["loss"])
-                st.step_times.append(dt)
                 st.tokens_per_sec.append(out["tokens"] / dt)
                 if step % r.logging.log_every == 0 or step == r.train.steps or not out["finite"]:
                     metrics = self._metrics(step, out, dt)
