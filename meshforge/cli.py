@@ -208,6 +208,26 @@ def _export(args) -> int:
     return 0
 
 
+def _estimate(args) -> int:
+    from meshforge.configs.loader import resolve_recipe_path
+    from meshforge.configs.validate import mesh_world_size
+    from meshforge.estimate import estimate_rows, estimate_table, parse_bytes
+
+    recipe_arg, overrides = _split_positionals(args.items)
+    try:
+        path = str(resolve_recipe_path(recipe_arg))
+        world = args.world or mesh_world_size(load_recipe(path, overrides, world_size=None))
+        if world is None:
+            raise RecipeError([Problem("--world", None, "the mesh has a -1 degree: pass --world N")], path)
+        rows = estimate_rows(path, overrides, world, args.all_meshes)
+    except RecipeError as e:
+        _print_problems(e)
+        return EXIT_BAD_RECIPE
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    (console if console.is_terminal else Console(width=160)).print(estimate_table(rows, device_memory))
+    return 0
+
+
 def _compare(args) -> int:
     from meshforge import compare
 
@@ -282,6 +302,11 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     cmp.add_argument("--align", choices=["step", "tokens"], default="step", help="x axis of the metric plots")
     cmp.add_argument("--baseline", default=None, help="parity mode: compare every run's losses with this run")
     cmp.add_argument("--tol", type=float, default=1e-5, help="parity tolerance on loss and grad norm")
+    est = sub.add_parser("estimate", help="per-rank memory before launching (analytic), for one or every mesh")
+    est.add_argument("items", nargs="*", metavar="RECIPE|key=value")
+    est.add_argument("--world", type=int, default=None, help="world size (default: the recipe's mesh)")
+    est.add_argument("--all-meshes", action="store_true", help="every valid mesh of --world ranks")
+    est.add_argument("--device-memory", default=None, help="e.g. 80GiB: mark which layouts fit")
     exp = sub.add_parser("export", help="export a checkpoint's model")
     exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
     exp.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
@@ -291,6 +316,8 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         return run_recipe_main(argv[1:])
     if argv[:1] == ["init"]:  # options may come between the recipe and its overrides
         return _init(ini.parse_intermixed_args(argv[1:]))
+    if argv[:1] == ["estimate"]:
+        return _estimate(est.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["sweep"]:
         args = sw.parse_intermixed_args(argv[1:])
         return _sweep(*_split_positionals(args.items), args)

@@ -67,3 +67,13 @@ def test_explain_documents_fields(tmp_path):
     assert proc.returncode == 2 and "sections:" in proc.stderr
     proc = run_cli(["--help"], cwd=tmp_path)
     assert "train.micro_batch_size" in proc.stdout  # run_recipe --help lists every field with its doc
+
+
+def test_estimate_every_mesh_of_a_world(tmp_path):
+    proc = run_cli(["estimate", str(RECIPES / "llm_8b.toml"), "--world", "16", "--all-meshes",
+                    "--device-memory", "80GiB"], cwd=tmp_path, program="meshforge", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("│ ")}
+    assert "7.48" in lines["dp8-tp2"] and "yes" in lines["dp8-tp2"]  # 16 B/param / 16 shards of 8.03B
+    assert "119.66" in lines["dprep16"] and "no" in lines["dprep16"]  # replicas shard nothing
+    assert "refused" in lines["pp16"]
