@@ -208,6 +208,30 @@ def _export(args) -> int:
     return 0
 
 
+def _pp_schedule(args) -> int:
+    from meshforge.configs.validate import mesh_world_size
+    from meshforge.parallelisms.pp import bubble_fraction_gpipe
+    from meshforge.pp_schedule import bubble_fraction, recipe_schedule_order, timeline
+
+    recipe_arg, overrides = _split_positionals(args.items)
+    try:
+        recipe = load_recipe(recipe_arg, overrides, world_size=None)
+    except RecipeError as e:
+        _print_problems(e)
+        return EXIT_BAD_RECIPE
+    if recipe.mesh.pp == 1:
+        err_console.print("[bold red]error:[/] mesh.pp = 1: the recipe has no pipeline; e.g. add mesh.pp=4")
+        return EXIT_BAD_RECIPE
+    order = recipe_schedule_order(recipe)
+    title = f"{recipe.pp.schedule}, pp={recipe.mesh.pp}, {recipe.pp.microbatches} microbatches"
+    fig = timeline(order, title)
+    fig.savefig(args.out, dpi=100, bbox_inches="tight")
+    theory = bubble_fraction_gpipe(recipe.mesh.pp, recipe.pp.microbatches)
+    console.print(f"{title}: bubble {bubble_fraction(order):.1%} of rank time (GPipe/1F1B theory (p-1)/(m+p-1) "
+                  f"= {theory:.1%}); world {mesh_world_size(recipe)}; picture: {args.out}", highlight=False)
+    return 0
+
+
 def _estimate(args) -> int:
     from meshforge.configs.loader import resolve_recipe_path
     from meshforge.configs.validate import mesh_world_size
@@ -307,6 +331,9 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     est.add_argument("--world", type=int, default=None, help="world size (default: the recipe's mesh)")
     est.add_argument("--all-meshes", action="store_true", help="every valid mesh of --world ranks")
     est.add_argument("--device-memory", default=None, help="e.g. 80GiB: mark which layouts fit")
+    pps = sub.add_parser("pp-schedule", help="draw a recipe's pipeline schedule per rank, with its bubble fraction")
+    pps.add_argument("items", nargs="*", metavar="RECIPE|key=value")
+    pps.add_argument("--out", default="pp_schedule.png", help="PNG to write")
     exp = sub.add_parser("export", help="export a checkpoint's model")
     exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
     exp.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
@@ -316,6 +343,8 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         return run_recipe_main(argv[1:])
     if argv[:1] == ["init"]:  # options may come between the recipe and its overrides
         return _init(ini.parse_intermixed_args(argv[1:]))
+    if argv[:1] == ["pp-schedule"]:
+        return _pp_schedule(pps.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["estimate"]:
         return _estimate(est.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["sweep"]:

@@ -279,6 +279,8 @@ class Trainer:
             config = {**recipe_to_dict(r), **self.dims.degrees, "world_size": env.world_size, "layout": self.dims.label()}
             loggers = Loggers(r.logging, run_dir, r.run_name, run_info["run_id"], config, console.console)
             console.start(self, run_dir)
+            if self.schedule is not None:
+                self._draw_pipeline(run_dir, run_info, loggers)
         run_id = self._broadcast_run_id(run_info.get("run_id"))
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         status, bad_steps = "failed", 0
@@ -330,6 +332,20 @@ class Trainer:
                 loggers.close(summary)
                 console.finish(self, run_dir, loggers, status)
         return st
+
+    def _draw_pipeline(self, run_dir: Path, run_info: dict, loggers: Loggers) -> None:
+        """The schedule that runs, per rank, as a picture (run folder and W&B) and a bubble figure."""
+        from meshforge.pp_schedule import bubble_fraction, pipeline_order, timeline
+
+        order = pipeline_order(self.schedule)
+        run_info["pp_bubble_fraction"] = bubble_fraction(order)
+        fig = timeline(order, f"{self.recipe.pp.schedule}, {self.recipe.pp.microbatches} microbatches")
+        fig.savefig(run_dir / "pp_schedule.png", dpi=100, bbox_inches="tight")
+        if loggers.wandb is not None and loggers.wandb.mode != "disabled":
+            import wandb
+
+            loggers.wandb.run.log({"pp_schedule": wandb.Image(fig)})
+        fig.clf()
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True  # acted on at the end of the step, on every rank together
