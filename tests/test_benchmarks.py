@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, cli_env
 
 
@@ -25,3 +27,18 @@ def test_runner_overhead_benchmark_writes_its_results(tmp_path):
 def test_recorded_results_are_in_the_repo():
     recorded = json.loads((REPO / "benchmarks" / "results" / "runner_overhead.json").read_text())
     assert recorded["rounds"] >= 5 and recorded["steps_per_round"] >= 20  # a real run, not the smoke size
+    scaling = json.loads((REPO / "benchmarks" / "results" / "fsdp_memory_scaling.json").read_text())
+    assert [r["dp_shard"] for r in scaling["rows"]] == [1, 2, 4, 8]
+
+
+@pytest.mark.slow
+def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fsdp_memory_scaling.py"), "--degrees", "1", "2",
+                           "--out", str(tmp_path)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "fsdp_memory_scaling.json").read_text())
+    one, two = result["rows"]
+    assert one["state_bytes_per_rank"] > 1e6 and two["ideal_bytes"] == one["state_bytes_per_rank"] / 2
+    assert two["ratio_to_ideal"] == two["state_bytes_per_rank"] / two["ideal_bytes"]
+    assert "| 2 |" in (tmp_path / "fsdp_memory_scaling.md").read_text()
