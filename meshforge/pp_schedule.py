@@ -127,26 +127,13 @@ def timeline(order: dict[int, list[str | None]], title: str):
 
 
 def recipe_schedule_order(recipe) -> dict[int, list[str | None]]:
-    """The recipe's pipeline order without devices: rank 0 of a fake process group builds it."""
+    """The recipe's pipeline order without devices (rank 0 of a simulated mesh builds it;
+    every rank's schedule holds every rank's actions)."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from meshforge.models import args_from_config, get_model_spec
-    from meshforge.parallelisms import ParallelDims, parallelize
     from meshforge.parallelisms.pp import build_schedule
+    from meshforge.sharding import simulated_rank
 
-    dims = ParallelDims.from_config(recipe.mesh)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
-    try:
-        meshes = dims.build_mesh("cpu")
-        spec = get_model_spec(recipe.model.name)
-        with torch.device("meta"):
-            model = spec.build(args_from_config(recipe.model))
-        recipe.compile.enabled = False
-        pm = parallelize(model, meshes, dims, spec, tp=recipe.tp, pp=recipe.pp, ac=recipe.activation_checkpoint,
-                         compile=recipe.compile, fsdp=recipe.fsdp)
+    with simulated_rank(recipe, rank=0) as (_, meshes, pm):
         schedule = build_schedule(pm.parts, pm.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x)
         return pipeline_order(schedule)
-    finally:
-        dist.destroy_process_group()

@@ -7,13 +7,18 @@ a golden file: a changed plan shows up as a readable diff, not a surprise at sca
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshforge.configs import Recipe
 from meshforge.models import args_from_config, get_model_spec
-from meshforge.parallelisms import ParallelDims, parallelize
+from meshforge.parallelisms import ParallelDims, ParallelModel, parallelize
+from meshforge.parallelisms.mesh import Meshes
 
 
 def describe(param: torch.Tensor) -> str:
@@ -25,8 +30,10 @@ def describe(param: torch.Tensor) -> str:
     return f"local {list(param.shape)}"
 
 
-def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
-    """Parameter FQN -> placement description, as rank `rank` of the recipe's mesh holds it."""
+@contextlib.contextmanager
+def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Meshes, ParallelModel]]:
+    """Rank `rank` of the recipe's mesh, parallelized on the meta device under torch's fake
+    process group: shardings and schedules without devices, communication or memory."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dims = ParallelDims.from_config(recipe.mesh)
@@ -36,19 +43,25 @@ def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
         spec = get_model_spec(recipe.model.name)
         with torch.device("meta"):
             model = spec.build(args_from_config(recipe.model))
+        compile_off = dataclasses.replace(recipe.compile, enabled=False)  # shapes and plans do not depend on it
         pmodel = parallelize(model, meshes, dims, spec, tp=recipe.tp, pp=recipe.pp,
-                             ac=recipe.activation_checkpoint, compile=recipe.compile, fsdp=recipe.fsdp)
+                             ac=recipe.activation_checkpoint, compile=compile_off, fsdp=recipe.fsdp)
+        yield dims, meshes, pmodel
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
+    """Parameter FQN -> placement description, as rank `rank` of the recipe's mesh holds it."""
+    with simulated_rank(recipe, rank) as (dims, _, pmodel):
         out = {}
         for stage_id, part in zip(pmodel.stage_ids, pmodel.parts):
             for fqn, p in part.named_parameters():
                 out[fqn] = f"stage {stage_id}: {describe(p)}" if dims.pp_enabled else describe(p)
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
     """rank -> (FQN -> placement) for every rank of the recipe's mesh."""
-    recipe.compile.enabled = False  # placements do not depend on compile; skip its cost
     world = ParallelDims.from_config(recipe.mesh).world_size
     return {str(rank): rank_placements(recipe, rank) for rank in range(world)}
