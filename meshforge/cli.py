@@ -63,12 +63,11 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
 
 def _sweep(recipe_arg: str | None, overrides: list[str], args) -> int:
     from meshforge.configs.loader import resolve_recipe_path
-    from meshforge.configs.validate import mesh_world_size
     from meshforge.sweep import run_sweep
 
     try:
         path = resolve_recipe_path(recipe_arg)
-        world = args.world or args.nproc or mesh_world_size(load_recipe(path, overrides, world_size=None))
+        world = _world_for(path, overrides, args.world or args.nproc)
         axes = {}
         for a in args.axis:
             key, sep, values = a.partition("=")
@@ -86,6 +85,14 @@ def _world_size(nproc: int | None) -> int | None:
     from meshforge.distributed import env_world_size
 
     return env_world_size() or nproc
+
+
+def _world_for(path, overrides: list[str], world: int | None) -> int:
+    """The world size a sweep or estimate is about: the one given, else the recipe mesh's
+    (loading raises a RecipeError asking for a world size when the mesh has a -1)."""
+    from meshforge.configs.validate import mesh_world_size
+
+    return world or mesh_world_size(load_recipe(path, overrides, world_size=None))
 
 
 def _print_problems(e: RecipeError) -> None:
@@ -234,15 +241,12 @@ def _pp_schedule(args) -> int:
 
 def _estimate(args) -> int:
     from meshforge.configs.loader import resolve_recipe_path
-    from meshforge.configs.validate import mesh_world_size
     from meshforge.estimate import estimate_rows, estimate_table, parse_bytes
 
     recipe_arg, overrides = _split_positionals(args.items)
     try:
         path = str(resolve_recipe_path(recipe_arg))
-        world = args.world or mesh_world_size(load_recipe(path, overrides, world_size=None))
-        if world is None:
-            raise RecipeError([Problem("--world", None, "the mesh has a -1 degree: pass --world N")], path)
+        world = _world_for(path, overrides, args.world)
         rows = estimate_rows(path, overrides, world, args.all_meshes)
     except RecipeError as e:
         _print_problems(e)
