@@ -93,6 +93,9 @@ class RunConsole:
         self.console.print(table)
         if len(per_rank) > 1:
             self.console.print(memory_table(per_rank))
+        if trainer.state.memory_breakdown:
+            self.console.print(breakdown_table(trainer.state.memory_breakdown, trainer.state.memory_breakdown_step,
+                                               run_dir / "memory_breakdown.png"))
 
 
 def memory_table(per_rank: list[dict]) -> Table:
@@ -104,4 +107,17 @@ def memory_table(per_rank: list[dict]) -> Table:
         table.add_column(k, justify="right")
     for rank, row in enumerate(per_rank):
         table.add_row(str(rank), *(f"{row[k] / 2**20:,.1f}" for k in keys))
+    return table
+
+
+def breakdown_table(per_rank: list[dict], step: int, picture: Path) -> Table:
+    """Per-rank memory by category at the tracked step's peak (MiB)."""
+    from meshforge.memtrace import CATEGORIES
+
+    table = Table(title=f"memory by category at the peak of step {step} (MiB, tracked tensors); {picture.name}")
+    table.add_column("rank")
+    for k in (*CATEGORIES, "total"):
+        table.add_column(k, justify="right")
+    for rank, row in enumerate(per_rank):
+        table.add_row(str(rank), *(f"{row[k] / 2**20:,.2f}" for k in (*CATEGORIES, "total")))
     return table

@@ -1,12 +1,31 @@
-"""`meshforge estimate`: per-rank memory of a recipe (or of every mesh of a world size)
-before launching, from the analytic plan (no allocation, no devices): model states at
-16 bytes/parameter divided by the sharding, plus a rough activation term (plan.py)."""
+"""`meshforge estimate`: per-rank peak memory of a recipe (or of every mesh of a world
+size) before launching, with no devices and no real allocation.
+
+Traced: one rank per distinct role (one per pipeline stage; data- and tensor-parallel
+peers hold the same shapes) is simulated under torch's fake process group, with the
+parallelized model on fake tensors (FakeTensorMode). Two training steps run under
+torch's MemTracker, so parameters, gradients, optimizer state, activations, FSDP
+buffers and temporaries are counted as the real step allocates them. Under pipeline
+parallelism, the schedule keeps several microbatches' activations alive at once: the
+trace measures one microbatch's retained activations per stage and the schedule's own
+action order says how many are in flight (the heaviest moment is reported).
+
+Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
+moments) over the sharding, plus Korthikanti et al. 2022 activations (plan.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
+import torch
 from rich.table import Table
 
-from meshforge.configs import RecipeError, load_recipe
+from meshforge.configs import Recipe, RecipeError, load_recipe
+from meshforge.models import args_from_config
+from meshforge.memtrace import CATEGORIES, current_total, make_tracker, peak_categories
+from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.plan import GiB, make_plan
 from meshforge.sweep import mesh_shapes, point_label
 
@@ -20,37 +39,188 @@ def parse_bytes(text: str) -> float:
     return float(t) * GiB
 
 
-def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes: bool) -> list[dict]:
-    meshes = mesh_shapes(world) if all_meshes else [None]
-    rows = []
-    for mesh in meshes:
-        extra = [f"mesh.{k}={v}" for k, v in mesh.items()] if mesh else []
-        try:
-            recipe = load_recipe(recipe_path, [*overrides, *extra], world_size=world)
-        except RecipeError as e:
-            rows.append({"layout": point_label(mesh, {}) if mesh else "recipe", "refused": str(e.problems[0])})
+def trace_rank(recipe: Recipe, rank: int) -> dict:
+    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from meshforge.sharding import simulated_rank
+    from meshforge.train import build_optimizer, cross_entropy_sum
+
+    r = recipe
+    args = args_from_config(r.model)
+    with simulated_rank(r, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
+        cpu = torch.device("cpu")
+        for part in pmodel.parts:
+            part.to_empty(device=cpu)  # no weight init: values do not matter (and trunc_normal_ fails here)
+            part.init_buffers(cpu)
+            part.train()
+        # foreach=False: foreach AdamW's batched temporaries would be counted all at once under fake tensors
+        optimizers = [build_optimizer(part.parameters(), r.optimizer, foreach=False) for part in pmodel.parts]
+        n_stages = dims.pp * r.pp.stages_per_rank
+        mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
+        n_micro = r.pp.microbatches if dims.pp_enabled else r.train.grad_accum_steps
+        sp = dims.tp_enabled and r.tp.sequence_parallel
+        boundary = (mb, r.train.seq_len // dims.tp if sp else r.train.seq_len, args.dim)
+        act_dtype = DTYPES[r.fsdp.param_dtype] if dims.fsdp_enabled else torch.float32
+        ctx = contextlib.ExitStack()
+        if dims.tp_enabled and r.tp.loss_parallel:
+            ctx.enter_context(loss_parallel())
+        if not dims.fsdp_enabled and act_dtype != torch.float32:
+            ctx.enter_context(torch.autocast("cpu", dtype=act_dtype))
+        if dims.pp_enabled:  # the schedule's own action order, for the in-flight count below
+            from meshforge.parallelisms.pp import build_schedule
+            from meshforge.pp_schedule import pipeline_order
+
+            order = pipeline_order(build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, r.pp, cpu, lambda x, y: x))
+        tracker = make_tracker(pmodel.parts, optimizers, n_micro)
+        retained: dict[int, int] = {}  # stage -> bytes one microbatch keeps alive until its backward
+        with tracker, ctx:
+            for _ in range(2):  # the second step is the steady state (optimizer state exists)
+                for _ in range(min(n_micro, 2)):  # the second microbatch's backward finds every grad allocated
+                    for part, stage in zip(pmodel.parts, pmodel.stage_ids):
+                        before = current_total(tracker)
+                        if stage == 0:
+                            x = torch.randint(0, args.vocab_size, (mb, r.train.seq_len))
+                        else:
+                            x = torch.empty(boundary, dtype=act_dtype, requires_grad=True)
+                        out = part(x)
+                        if stage == n_stages - 1:
+                            out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
+                        retained[stage] = current_total(tracker) - before
+                        out.backward(None if out.dim() == 0 else torch.empty_like(out))
+                        del x, out
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        peak = peak_categories(tracker)
+    if dims.pp_enabled:
+        # the trace held one microbatch at a time; the schedule holds more (1F1B: pp - stage)
+        extra = in_flight_bytes(order[rank_pp_coordinate(dims, rank)], retained) - max(retained.values())
+        peak["activations"] += max(0, extra)
+        peak["total"] += max(0, extra)
+    return peak
+
+
+def in_flight_bytes(actions: list[str | None], retained: dict[int, int]) -> int:
+    """The most activation bytes a pipeline rank holds at once: each forward adds its
+    stage's retained bytes, each backward (or input-gradient half) releases them."""
+    from meshforge.pp_schedule import _parse
+
+    alive: Counter = Counter()
+    most = 0
+    for action in actions:
+        parsed = _parse(action)
+        if parsed is None:
             continue
-        plan = make_plan(recipe)
-        d = recipe.mesh
-        rows.append({"layout": point_label({"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-                                            "pp": d.pp}, {}),
-                     "states": plan.state_bytes_per_rank, "activations": plan.activation_bytes_per_rank,
-                     "total": plan.bytes_per_rank})
+        stage, kind, _ = parsed
+        if kind == "F":
+            alive[stage] += 1
+        elif kind in "BI":
+            alive[stage] -= 1
+        most = max(most, sum(n * retained.get(s, 0) for s, n in alive.items()))
+    return most
+
+
+def rank_pp_coordinate(dims, rank: int) -> int:
+    """The pipeline rank of global rank `rank` (pp is the outermost mesh dimension)."""
+    return rank // (dims.world_size // dims.pp)
+
+
+def role_ranks(dims) -> list[int]:
+    """One global rank per pipeline stage (coordinate 0 on every other dimension)."""
+    inner = dims.world_size // dims.pp
+    return [p * inner for p in range(dims.pp)]
+
+
+def traced_estimate(recipe: Recipe, pool=None) -> dict:
+    """The heaviest role's categories, with `rank` saying which global rank it is."""
+    return _heaviest(_submit_roles(recipe, pool))
+
+
+def _submit_roles(recipe: Recipe, pool) -> list:
+    from meshforge.parallelisms import ParallelDims
+
+    ranks = role_ranks(ParallelDims.from_config(recipe.mesh))
+    if pool is None:
+        return [(rank, trace_rank(recipe, rank)) for rank in ranks]
+    return [(rank, pool.submit(trace_rank, recipe, rank)) for rank in ranks]
+
+
+def _heaviest(results: list) -> dict:
+    per_role = [dict(r.result() if hasattr(r, "result") else r, rank=rank) for rank, r in results]
+    return max(per_role, key=lambda p: p["total"])
+
+
+def trace_pool(workers: int | None = None):
+    """Worker processes, one trace per process: each simulation starts from a clean process
+    (torch caches DTensor plans by mesh layout, which simulated ranks share). Workers fork
+    from a server that imported torch once, so a trace does not pay for the import."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["meshforge.estimate", "meshforge.train", "meshforge.sharding"])
+    workers = workers or max(1, min(4, len(os.sched_getaffinity(0))))
+    return ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1)
+
+
+def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes: bool,
+                  traced: bool = True) -> list[dict]:
+    """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
+    meshes = mesh_shapes(world) if all_meshes else [None]
+    rows, pending = [], []
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(trace_pool()) if traced else None
+        for mesh in meshes:
+            extra = [f"mesh.{k}={v}" for k, v in mesh.items()] if mesh else []
+            try:
+                recipe = load_recipe(recipe_path, [*overrides, *extra], world_size=world)
+            except RecipeError as e:
+                rows.append({"layout": point_label(mesh, {}) if mesh else "recipe", "refused": str(e.problems[0])})
+                continue
+            plan = make_plan(recipe)
+            d = recipe.mesh
+            row = {"layout": point_label({"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
+                                          "pp": d.pp}, {}),
+                   "analytic": {"states": plan.state_bytes_per_rank, "activations": plan.activation_bytes_per_rank,
+                                "total": plan.bytes_per_rank}}
+            rows.append(row)
+            if traced:
+                pending.append((row, _submit_roles(recipe, pool)))
+        for row, results in pending:
+            row["traced"] = _heaviest(results)
+    for row in rows:
+        if "analytic" in row:
+            row["total"] = row["traced"]["total"] if "traced" in row else row["analytic"]["total"]
     return sorted(rows, key=lambda r: r.get("total", float("inf")))
 
 
 def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
-    title = "estimated peak memory per rank (analytic)"
+    """Traced peak of the heaviest rank by category, the analytic total beside it, and fit."""
+    traced = any("traced" in r for r in rows)
+    title = "estimated peak memory per rank, GiB " + ("(traced heaviest rank; analytic beside it)" if traced
+                                                      else "(analytic)")
     if device_memory:
         title += f", device {device_memory / GiB:.0f} GiB"
     table = Table(title=title)
-    for c in ("layout", "model states GiB", "activations GiB", "total GiB", "fits"):
-        table.add_column(c)
+    columns = ["layout"]
+    if traced:
+        columns += ["peak", "rank", *[c[:5] if c != "optimizer" else "optim" for c in CATEGORIES]]
+    columns += ["analytic states", "analytic activations", "analytic total", "fits"]
+    for c in columns:
+        table.add_column(c, justify="left" if c == "layout" else "right")
     for r in rows:
         if "refused" in r:
-            table.add_row(r["layout"], "", "", "", f"refused: {r['refused']}")
+            table.add_row(r["layout"], *[""] * (len(columns) - 2), f"refused: {r['refused']}")
             continue
+        cells = [r["layout"]]
+        if traced:
+            t = r["traced"]
+            cells += [f"{t['total'] / GiB:.2f}", str(t["rank"]), *[f"{t[c] / GiB:.2f}" for c in CATEGORIES]]
+        a = r["analytic"]
         fits = "" if device_memory is None else ("yes" if r["total"] <= device_memory else "[red]no[/]")
-        table.add_row(r["layout"], f"{r['states'] / GiB:.2f}", f"{r['activations'] / GiB:.2f}",
-                      f"{r['total'] / GiB:.2f}", fits)
+        cells += [f"{a['states'] / GiB:.2f}", f"{a['activations'] / GiB:.2f}", f"{a['total'] / GiB:.2f}", fits]
+        table.add_row(*cells)
     return table

@@ -51,6 +51,10 @@ class TensorBoardLogger:
                 self._w.add_scalar(k, v, step)
         self._w.flush()
 
+    def log_figure(self, name: str, fig, step: int) -> None:
+        self._w.add_figure(name, fig, step, close=False)
+        self._w.flush()
+
     def close(self) -> None:
         self._w.close()
 
@@ -125,6 +129,15 @@ class Loggers:
         metrics = {"time": time.time(), **metrics}
         for logger in self.all:
             logger.log(metrics)
+
+    def log_figure(self, name: str, fig, step: int) -> None:
+        """A matplotlib figure to TensorBoard and W&B (the caller saves the PNG in the run folder)."""
+        if self.tensorboard is not None:
+            self.tensorboard.log_figure(name, fig, step)
+        if self.wandb is not None and self.wandb.mode != "disabled":
+            import wandb
+
+            self.wandb.run.log({name: wandb.Image(fig)})
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if self.wandb is not None and summary:

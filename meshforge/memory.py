@@ -69,8 +69,9 @@ def rank_memory(device: torch.device, state: int) -> dict[str, float]:
     }
 
 
-def reduce_across_ranks(values: dict[str, float], device: torch.device) -> tuple[dict[str, float], list[dict]]:
-    """{key_max, key_min, key_max_rank} over all ranks, and every rank's values (on all ranks)."""
+def reduce_across_ranks(values: dict[str, float], device: torch.device,
+                        prefix: str = "mem/") -> tuple[dict[str, float], list[dict]]:
+    """{prefix+key_max, _min, _max_rank} over all ranks, and every rank's values (on all ranks)."""
     keys = sorted(values)
     local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     if dist.is_initialized():
@@ -82,8 +83,8 @@ def reduce_across_ranks(values: dict[str, float], device: torch.device) -> tuple
     out: dict[str, float] = {}
     for j, k in enumerate(keys):
         col = table[:, j]
-        out[f"mem/{k}_max"] = float(col.max())
-        out[f"mem/{k}_min"] = float(col.min())
-        out[f"mem/{k}_max_rank"] = int(col.argmax())
+        out[f"{prefix}{k}_max"] = float(col.max())
+        out[f"{prefix}{k}_min"] = float(col.min())
+        out[f"{prefix}{k}_max_rank"] = int(col.argmax())
     per_rank = [{k: float(table[r, j]) for j, k in enumerate(keys)} for r in range(table.shape[0])]
     return out, per_rank

@@ -50,8 +50,9 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
-def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+def build_optimizer(params, cfg: OptimizerConfig, foreach: bool | None = None) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             foreach=foreach)
 
 
 def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
@@ -103,6 +104,8 @@ class RunState:
     tokens_per_sec: list[float] = field(default_factory=list)
     last_memory: dict = field(default_factory=dict)
     per_rank_memory: list = field(default_factory=list)
+    memory_breakdown: list = field(default_factory=list)  # per rank: category -> bytes at the tracked step's peak
+    memory_breakdown_step: int = 0
 
 
 class Trainer:
@@ -287,14 +290,15 @@ class Trainer:
         try:
             for step in range(self.start_step + 1, r.train.steps + 1):
                 t0 = time.perf_counter()
-                out = self.train_step()
+                tracked = step == r.logging.memory_breakdown_step
+                out = self._tracked_step(step, loggers) if tracked else self.train_step()
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 st.step = step
                 st.losses.append(out["loss"])
                 st.tokens_per_sec.append(out["tokens"] / dt)
-                if step % r.logging.log_every == 0 or step == r.train.steps or not out["finite"]:
+                if step % r.logging.log_every == 0 or step == r.train.steps or not out["finite"] or tracked:
                     metrics = self._metrics(step, out, dt)
                     if loggers is not None:
                         loggers.log(metrics)
@@ -341,11 +345,27 @@ class Trainer:
         run_info["pp_bubble_fraction"] = bubble_fraction(order)
         fig = timeline(order, f"{self.recipe.pp.schedule}, {self.recipe.pp.microbatches} microbatches")
         fig.savefig(run_dir / "pp_schedule.png", dpi=100, bbox_inches="tight")
-        if loggers.wandb is not None and loggers.wandb.mode != "disabled":
-            import wandb
-
-            loggers.wandb.run.log({"pp_schedule": wandb.Image(fig)})
+        loggers.log_figure("pp_schedule", fig, self.start_step)
         fig.clf()
+
+    def _tracked_step(self, step: int, loggers: Loggers | None) -> dict:
+        """A training step under torch's memory tracker: every rank's peak by category,
+        logged (max/min over ranks), tabled at the end and drawn as a stacked bar per rank."""
+        from meshforge.memtrace import make_tracker, peak_categories, save_breakdown
+
+        forwards_per_step = self.recipe.pp.microbatches if self.dims.pp_enabled else self.recipe.train.grad_accum_steps
+        tracker = make_tracker(self.pmodel.parts, self.optimizers, forwards_per_step)
+        with tracker:
+            out = self.train_step()
+        reduced, per_rank = reduce_across_ranks(peak_categories(tracker), self.env.device, prefix="mem_breakdown/")
+        self.state.memory_breakdown, self.state.memory_breakdown_step = per_rank, step
+        out["memory_breakdown"] = reduced
+        if loggers is not None:
+            fig = save_breakdown(per_rank, self.run_dir / "memory_breakdown.png",
+                                 f"{self.recipe.run_name}: memory by category at step {step}")
+            loggers.log_figure("memory_breakdown", fig, step)
+            fig.clf()
+        return out
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True  # acted on at the end of the step, on every rank together
@@ -367,7 +387,7 @@ class Trainer:
         if self.peak_flops:
             perf["mfu"] = flops_per_device / self.peak_flops
         return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
-                "tokens_per_sec": tokens_per_sec, "step_time": dt, **perf, **mem}
+                "tokens_per_sec": tokens_per_sec, "step_time": dt, **perf, **mem, **out.get("memory_breakdown", {})}
 
     def summary(self) -> dict:
         st = self.state
@@ -385,6 +405,8 @@ class Trainer:
             out["loss_floor"] = floor
         if st.per_rank_memory:
             out["per_rank_memory"] = st.per_rank_memory
+        if st.memory_breakdown:
+            out["memory_breakdown"] = {"step": st.memory_breakdown_step, "per_rank": st.memory_breakdown}
         peak_key = "mem/cuda_peak_active_max" if self.env.device.type == "cuda" else "mem/rss_peak_max"
         if peak_key in st.last_memory:
             out["peak_memory_bytes"] = st.last_memory[peak_key]

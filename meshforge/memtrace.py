@@ -1,0 +1,112 @@
+"""Memory by category, from torch's own trackers, for a measured step and for an estimate.
+
+`MemTracker` (and `FSDPMemTracker` for a single FSDP2 module) watch every tensor storage
+created under them and label it (parameter, gradient, optimizer state, activation,
+all-gather / reduce-scatter buffer, temporary). They work on CPU tensors and on fake
+tensors alike, so the same code measures a real step (train.py) and traces one for
+`meshforge estimate` (estimate.py). We fold their labels into six categories.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
+
+# torch's labels (MemTracker's _MemRefType and FSDPMemTracker's _FSDPRefType values) -> ours
+_FOLD = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Buffer": "parameters",
+    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "Optstate": "optimizer", "OptState": "optimizer",
+    "Activation": "activations", "Inputs": "activations",
+    "All Gather": "communication", "Reduce Scatter": "communication",
+    "Temp": "temporaries", "Other": "temporaries",
+}
+
+
+def fold(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot ({device: {label: bytes, 'Total': bytes}}) -> our categories + total."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for per_label in snapshot.values():
+        for label, nbytes in per_label.items():
+            if label in _FOLD:
+                out[_FOLD[label]] += nbytes
+    out["total"] = sum(out[c] for c in CATEGORIES)
+    return out
+
+
+def make_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], forwards_per_step: int):
+    """FSDPMemTracker when this rank runs one FSDP2 module once per step (it tells
+    all-gather and reduce-scatter buffers apart, but refuses a second forward of the same
+    module in one step), else a MemTracker over every part and optimizer that allows it
+    (microbatches, pipeline schedules)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if forwards_per_step == 1 and len(parts) == 1 and isinstance(parts[0], FSDPModule):
+        return FSDPMemTracker(parts[0], optimizers[0])
+    tracker = StepMemTracker()
+    tracker.track_external(*parts, *optimizers)
+    return tracker
+
+
+def _step_mem_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        """MemTracker for a whole step: a module may run forward again (the next
+        microbatch). torch refuses that because its per-module statistics would mix
+        iterations; we only read the step's totals, so the module statistics restart."""
+
+        def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()  # storages stay tracked; only per-module stats reset
+                super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker
+
+
+def StepMemTracker():  # noqa: N802 - torch is imported lazily; this builds the tracker
+    return _step_mem_tracker_class()()
+
+
+def peak_categories(tracker) -> dict[str, int]:
+    """The categories at the tracker's peak (the moment its total was highest)."""
+    return fold(tracker.get_tracker_snapshot("peak"))
+
+
+def current_total(tracker) -> int:
+    return fold(tracker.get_tracker_snapshot("current"))["total"]
+
+
+def breakdown_figure(per_rank: list[dict[str, float]], title: str):
+    """A stacked bar per rank: the categories at that rank's peak, in MiB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
+    bottom = [0.0] * len(per_rank)
+    for cat in CATEGORIES:
+        values = [r.get(cat, 0) / 2**20 for r in per_rank]
+        ax.bar(range(len(per_rank)), values, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(per_rank)), [f"rank {i}" for i in range(len(per_rank))], rotation=45 if len(per_rank) > 8 else 0)
+    ax.set_ylabel("MiB at the step's peak")
+    ax.set_title(title)
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def save_breakdown(per_rank: list[dict[str, float]], path: Path, title: str):
+    fig = breakdown_figure(per_rank, title)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return fig
