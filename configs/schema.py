@@ -134,6 +134,7 @@ class LoggingConfig:
     wandb_tags: List[str] = F([], "W&B tags")
     wandb_mode: Optional[str] = F(None, "online | offline | disabled; None = WANDB_MODE, else online with a key, offline without")
     progress: bool = F(True, "show a rich progress bar and summary in the terminal")
+    memory_history: bool = F(True, "CUDA: record allocator history, dumped as a snapshot if a rank runs out of memory")
     memory_breakdown_step: int = F(2, "track memory by category (torch MemTracker) on this step, per rank; 0 = off")
 
 

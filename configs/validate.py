@@ -282,6 +282,8 @@ def _check_ranges(r: Recipe) -> list[Problem]:
         ("lr_scheduler.warmup_steps", r.lr_scheduler.warmup_steps, 0 <= r.lr_scheduler.warmup_steps, "must be >= 0"),
         ("lr_scheduler.min_lr_ratio", r.lr_scheduler.min_lr_ratio, 0 <= r.lr_scheduler.min_lr_ratio <= 1, "must be in [0, 1]"),
         ("logging.log_every", r.logging.log_every, r.logging.log_every > 0, "must be > 0"),
+        ("logging.memory_breakdown_step", r.logging.memory_breakdown_step, r.logging.memory_breakdown_step >= 0,
+         "must be >= 0 (0 turns the per-category memory step off)"),
         ("activation_checkpoint.selective_every", r.activation_checkpoint.selective_every,
          r.activation_checkpoint.selective_every > 0, "must be > 0"),
         ("data.markov_branching", r.data.markov_branching, r.data.markov_branching > 0, "must be > 0"),

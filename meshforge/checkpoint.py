@@ -247,22 +247,43 @@ def save_seed_checkpoint(model: nn.Module, out: Path, meta: dict) -> Path:
     return target
 
 
-def export_safetensors(checkpoint: Path, out: Path) -> Path:
-    """Consolidate a checkpoint's model into one unsharded safetensors file (+ config)."""
-    from safetensors.torch import save_file
-
-    from meshforge.models import args_from_config, get_model_spec
+def load_full_model(checkpoint: Path) -> tuple[nn.Module, object, dict]:
+    """One process's unsharded model from any checkpoint (any mesh it was saved on), its
+    LlamaArgs and the checkpoint's meta."""
     from meshforge.configs.schema import ModelConfig
+    from meshforge.models import args_from_config, get_model_spec
 
     meta = read_meta(checkpoint)
-    model_cfg = ModelConfig(**meta["recipe"]["model"])
-    args = args_from_config(model_cfg)
-    model = get_model_spec(model_cfg.name).build(args)
+    args = args_from_config(ModelConfig(**meta["recipe"]["model"]))
+    model = get_model_spec(meta["recipe"]["model"]["name"]).build(args)
+    model.init_buffers()
     dcp_load({"model": ModelState([model])}, checkpoint)
+    return model, args, meta
+
+
+def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> Path:
+    """A checkpoint's model, unsharded, as `to`: safetensors (our names + config.json),
+    hf (an HF LlamaForCausalLM folder), torchtitan (its 0.3.0 names) or jax (an Orbax
+    checkpoint of the flat pytree models/llama_jax.py takes)."""
+    from safetensors.torch import save_file
+
+    from meshforge import interop
+
+    model, args, meta = load_full_model(checkpoint)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     if args.tie_embeddings:
-        tensors.pop("output.weight")  # shared with tok_embeddings.weight; safetensors stores it once
+        tensors.pop("output.weight")  # shared with tok_embeddings.weight; stored once
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])})
+    if to == "hf":
+        interop.save_hf(tensors, args, out)
+        return out / "model.safetensors"
+    if to == "jax":
+        from meshforge.jax_bridge import save_pytree, state_to_pytree
+
+        save_pytree(state_to_pytree(tensors), out / "params")
+    else:
+        if to == "torchtitan":
+            tensors = interop.to_torchtitan(tensors)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])})
     (out / "config.json").write_text(json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1))
-    return out / "model.safetensors"
+    return out / ("params" if to == "jax" else "model.safetensors")

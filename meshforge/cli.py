@@ -203,16 +203,61 @@ def _init(args) -> int:
 
 
 def _export(args) -> int:
-    from meshforge.checkpoint import export_safetensors, resolve_load
+    from meshforge.checkpoint import export_checkpoint, resolve_load
 
     try:
         path = resolve_load(args.checkpoint, Path(args.checkpoint))
     except FileNotFoundError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         return EXIT_BAD_RECIPE
-    out = export_safetensors(path, Path(args.out))
+    out = export_checkpoint(path, Path(args.out), args.to)
     console.print(f"exported {path} -> {out}", highlight=False)
     return 0
+
+
+def _parity(args) -> int:
+    """Torch model vs its JAX twin on the same tokens: max |dlogit|, mean KL, top-1 agreement."""
+    import torch
+    from rich.table import Table
+
+    from meshforge.checkpoint import load_full_model, resolve_load
+    from meshforge.data import ShardedLoader, build_source
+    from meshforge.jax_bridge import run_parity, sharpen
+    from meshforge.models import args_from_config, get_model_spec
+
+    source, overrides = _split_positionals(args.items)
+    try:
+        ckpt = resolve_load(source, Path(source)) if Path(source).is_dir() else None
+        recipe = load_recipe(source if ckpt is None else "debug_cpu", overrides, world_size=None)
+    except (RecipeError, FileNotFoundError) as e:
+        _print_problems(e) if isinstance(e, RecipeError) else err_console.print(f"[bold red]error:[/] {e}")
+        return EXIT_BAD_RECIPE
+    if ckpt is not None:
+        model, margs, _ = load_full_model(ckpt)
+        what = f"checkpoint {ckpt}"
+    else:
+        margs = args_from_config(recipe.model)
+        model = get_model_spec(recipe.model.name).build(margs)
+        model.init_weights(recipe.seed)
+        what = f"{recipe.model.name}/{recipe.model.flavor} freshly initialised (seed {recipe.seed})"
+    factor = args.sharpen if args.sharpen is not None else (1.0 if ckpt is not None else 4.0)
+    if factor != 1.0:
+        sharpen(model, factor)
+        what += f", q/k/output x{factor:g}"
+    data = build_source(recipe.data, margs.vocab_size, min(args.seq_len, margs.max_seq_len))
+    tokens = ShardedLoader(data, args.samples, 1).next_step()[0].inputs
+    result = run_parity(model.eval(), margs, tokens, args.dtype)
+    ok = result.within(args.dtype)
+    table = Table(title=f"parity torch vs JAX ({args.dtype}): {what}; {tokens.numel()} tokens")
+    for c in ("metric", "value", "target"):
+        table.add_column(c)
+    fp32 = args.dtype == "float32"
+    table.add_row("max |dlogit|", f"{result.max_abs_logit_diff:.3g}", "<= 1e-4" if fp32 else "")
+    table.add_row("mean KL", f"{result.mean_kl:.3g}", "<= 1e-6" if fp32 else "<= 2e-3")
+    table.add_row("top-1 agreement", f"{result.top1_agreement:.4f}", "" if fp32 else ">= 0.95")
+    console.print(table)
+    console.print("[green]parity: within targets[/]" if ok else "[bold red]parity: outside targets[/]")
+    return 0 if ok else 1
 
 
 def _pp_schedule(args) -> int:
@@ -241,18 +286,21 @@ def _pp_schedule(args) -> int:
 
 def _estimate(args) -> int:
     from meshforge.configs.loader import resolve_recipe_path
-    from meshforge.estimate import estimate_rows, estimate_table, parse_bytes
+    from meshforge.estimate import estimate_refusals, estimate_rows, estimate_table, parse_bytes
 
     recipe_arg, overrides = _split_positionals(args.items)
     try:
         path = str(resolve_recipe_path(recipe_arg))
         world = _world_for(path, overrides, args.world)
-        rows = estimate_rows(path, overrides, world, args.all_meshes)
+        rows = estimate_rows(path, overrides, world, args.all_meshes, traced=not args.analytic)
     except RecipeError as e:
         _print_problems(e)
         return EXIT_BAD_RECIPE
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
-    (console if console.is_terminal else Console(width=160)).print(estimate_table(rows, device_memory))
+    out = console if console.is_terminal else Console(width=160)
+    out.print(estimate_table(rows, device_memory))
+    for line in estimate_refusals(rows):
+        out.print(line, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -330,17 +378,27 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     cmp.add_argument("--align", choices=["step", "tokens"], default="step", help="x axis of the metric plots")
     cmp.add_argument("--baseline", default=None, help="parity mode: compare every run's losses with this run")
     cmp.add_argument("--tol", type=float, default=1e-5, help="parity tolerance on loss and grad norm")
-    est = sub.add_parser("estimate", help="per-rank memory before launching (analytic), for one or every mesh")
+    est = sub.add_parser("estimate", help="per-rank peak memory before launching (traced on fake tensors, and "
+                                          "analytic), for one or every mesh")
     est.add_argument("items", nargs="*", metavar="RECIPE|key=value")
     est.add_argument("--world", type=int, default=None, help="world size (default: the recipe's mesh)")
     est.add_argument("--all-meshes", action="store_true", help="every valid mesh of --world ranks")
     est.add_argument("--device-memory", default=None, help="e.g. 80GiB: mark which layouts fit")
+    est.add_argument("--analytic", action="store_true", help="formulas only (instant; no trace, no categories)")
+    par = sub.add_parser("parity", help="the torch model vs its JAX twin on the same tokens (needs the jax extra)")
+    par.add_argument("items", nargs="*", metavar="RECIPE|CHECKPOINT|key=value")
+    par.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    par.add_argument("--sharpen", type=float, default=None,
+                     help="scale q/k/output (default 4 for fresh weights, whose flat logits hide bugs; 1 for checkpoints)")
+    par.add_argument("--samples", type=int, default=4, help="sequences compared")
+    par.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     pps = sub.add_parser("pp-schedule", help="draw a recipe's pipeline schedule per rank, with its bubble fraction")
     pps.add_argument("items", nargs="*", metavar="RECIPE|key=value")
     pps.add_argument("--out", default="pp_schedule.png", help="PNG to write")
     exp = sub.add_parser("export", help="export a checkpoint's model")
     exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
-    exp.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
+    exp.add_argument("--to", choices=["safetensors", "hf", "torchtitan", "jax"], default="safetensors",
+                     help="safetensors (our names), hf (HF Llama folder), torchtitan (0.3.0 names), jax (Orbax pytree)")
     exp.add_argument("out", help="output folder")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
@@ -351,6 +409,8 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         return _pp_schedule(pps.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["estimate"]:
         return _estimate(est.parse_intermixed_args(argv[1:]))
+    if argv[:1] == ["parity"]:
+        return _parity(par.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["sweep"]:
         args = sw.parse_intermixed_args(argv[1:])
         return _sweep(*_split_positionals(args.items), args)

@@ -3,12 +3,13 @@ size) before launching, with no devices and no real allocation.
 
 Traced: one rank per distinct role (one per pipeline stage; data- and tensor-parallel
 peers hold the same shapes) is simulated under torch's fake process group, with the
-parallelized model on fake tensors (FakeTensorMode). Two training steps run under
-torch's MemTracker, so parameters, gradients, optimizer state, activations, FSDP
-buffers and temporaries are counted as the real step allocates them. Under pipeline
-parallelism, the schedule keeps several microbatches' activations alive at once: the
-trace measures one microbatch's retained activations per stage and the schedule's own
-action order says how many are in flight (the heaviest moment is reported).
+parallelized model on fake tensors (FakeTensorMode). A steady-state training step
+(optimizer moments already allocated) runs under torch's MemTracker, so parameters,
+gradients, optimizer state, activations, FSDP buffers and temporaries are counted as
+the real step allocates them. Under pipeline parallelism the rank's forwards and
+backwards run in the schedule's own action order, so the microbatches a schedule keeps
+in flight are alive at once, and FSDP is driven as torch's PipelineStage drives it.
+Measured against real runs by benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
 moments) over the sharding, plus Korthikanti et al. 2022 activations (plan.py).
@@ -17,14 +18,13 @@ moments) over the sharding, plus Korthikanti et al. 2022 activations (plan.py).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 
 import torch
 from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError, load_recipe
 from meshforge.models import args_from_config
-from meshforge.memtrace import CATEGORIES, current_total, make_tracker, peak_categories
+from meshforge.memtrace import CATEGORIES, make_tracker, peak_categories
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.plan import GiB, make_plan
 from meshforge.sweep import mesh_shapes, point_label
@@ -42,6 +42,7 @@ def parse_bytes(text: str) -> float:
 def trace_rank(recipe: Recipe, rank: int) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor.parallel import loss_parallel
 
     from meshforge.sharding import simulated_rank
@@ -68,58 +69,58 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
             ctx.enter_context(loss_parallel())
         if not dims.fsdp_enabled and act_dtype != torch.float32:
             ctx.enter_context(torch.autocast("cpu", dtype=act_dtype))
+        stages = []
         if dims.pp_enabled:  # the schedule's own action order, for the in-flight count below
             from meshforge.parallelisms.pp import build_schedule
             from meshforge.pp_schedule import pipeline_order
 
-            order = pipeline_order(build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, r.pp, cpu, lambda x, y: x))
+            schedule = build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, r.pp, cpu, lambda x, y: x)
+            order = pipeline_order(schedule)
+            stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps one or a list
+        # steady state: AdamW's moments exist before the traced step, as on step 2 of a run
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if dims.pp_enabled:  # this rank's actions in the schedule's order: '1F0' = stage 1 forward of mb 0
+            from meshforge.pp_schedule import _parse
+
+            actions = [a for a in (map(_parse, order[rank_pp_coordinate(dims, rank)])) if a is not None]
+        else:  # microbatches one after another; the second backward finds every grad allocated
+            actions = [(0, kind, m) for m in range(min(n_micro, 2)) for kind in "FB"]
+        parts = dict(zip(pmodel.stage_ids, pmodel.parts))
         tracker = make_tracker(pmodel.parts, optimizers, n_micro)
-        retained: dict[int, int] = {}  # stage -> bytes one microbatch keeps alive until its backward
+        live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
         with tracker, ctx:
-            for _ in range(2):  # the second step is the steady state (optimizer state exists)
-                for _ in range(min(n_micro, 2)):  # the second microbatch's backward finds every grad allocated
-                    for part, stage in zip(pmodel.parts, pmodel.stage_ids):
-                        before = current_total(tracker)
-                        if stage == 0:
-                            x = torch.randint(0, args.vocab_size, (mb, r.train.seq_len))
-                        else:
-                            x = torch.empty(boundary, dtype=act_dtype, requires_grad=True)
-                        out = part(x)
-                        if stage == n_stages - 1:
-                            out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
-                        retained[stage] = current_total(tracker) - before
-                        out.backward(None if out.dim() == 0 else torch.empty_like(out))
-                        del x, out
-                for opt in optimizers:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-        peak = peak_categories(tracker)
-    if dims.pp_enabled:
-        # the trace held one microbatch at a time; the schedule holds more (1F1B: pp - stage)
-        extra = in_flight_bytes(order[rank_pp_coordinate(dims, rank)], retained) - max(retained.values())
-        peak["activations"] += max(0, extra)
-        peak["total"] += max(0, extra)
-    return peak
-
-
-def in_flight_bytes(actions: list[str | None], retained: dict[int, int]) -> int:
-    """The most activation bytes a pipeline rank holds at once: each forward adds its
-    stage's retained bytes, each backward (or input-gradient half) releases them."""
-    from meshforge.pp_schedule import _parse
-
-    alive: Counter = Counter()
-    most = 0
-    for action in actions:
-        parsed = _parse(action)
-        if parsed is None:
-            continue
-        stage, kind, _ = parsed
-        if kind == "F":
-            alive[stage] += 1
-        elif kind in "BI":
-            alive[stage] -= 1
-        most = max(most, sum(n * retained.get(s, 0) for s, n in alive.items()))
-    return most
+            for stage, kind, m in actions:
+                part = parts[stage]
+                if kind == "F":
+                    if stage == 0:
+                        x = torch.randint(0, args.vocab_size, (mb, r.train.seq_len))
+                    else:  # what the previous stage sends
+                        x = torch.empty(boundary, dtype=act_dtype, requires_grad=True)
+                    out = part(x)
+                    if stage == n_stages - 1:
+                        out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
+                    live[(stage, m)] = out
+                elif kind in "BI":  # a zero-bubble input-gradient half counted as the whole backward
+                    if dims.pp_enabled and isinstance(part, FSDPModule):
+                        # as torch's PipelineStage runs FSDP: no reduce-scatter and no reshard until the
+                        # step's last backward, so unsharded params and grads live across microbatches
+                        part.set_is_last_backward(False)
+                        part.set_reshard_after_backward(False)
+                        part.set_requires_gradient_sync(False)
+                    out = live.pop((stage, m))
+                    out.backward(None if out.dim() == 0 else torch.empty_like(out))
+                    del out
+            for stage in stages:
+                stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return peak_categories(tracker)
 
 
 def rank_pp_coordinate(dims, rank: int) -> int:
@@ -197,6 +198,10 @@ def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes
     return sorted(rows, key=lambda r: r.get("total", float("inf")))
 
 
+SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "activations": "activ",
+         "communication": "comm", "temporaries": "temp"}
+
+
 def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
     """Traced peak of the heaviest rank by category, the analytic total beside it, and fit."""
     traced = any("traced" in r for r in rows)
@@ -207,14 +212,13 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
     table = Table(title=title)
     columns = ["layout"]
     if traced:
-        columns += ["peak", "rank", *[c[:5] if c != "optimizer" else "optim" for c in CATEGORIES]]
+        columns += ["peak", "rank", *SHORT.values()]
     columns += ["analytic states", "analytic activations", "analytic total", "fits"]
     for c in columns:
         table.add_column(c, justify="left" if c == "layout" else "right")
     for r in rows:
         if "refused" in r:
-            table.add_row(r["layout"], *[""] * (len(columns) - 2), f"refused: {r['refused']}")
-            continue
+            continue  # listed under the table (estimate_refusals)
         cells = [r["layout"]]
         if traced:
             t = r["traced"]
@@ -224,3 +228,8 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
         cells += [f"{a['states'] / GiB:.2f}", f"{a['activations'] / GiB:.2f}", f"{a['total'] / GiB:.2f}", fits]
         table.add_row(*cells)
     return table
+
+
+def estimate_refusals(rows: list[dict]) -> list[str]:
+    """One line per refused layout: why validation refuses it."""
+    return [f"{r['layout']}: refused: {r['refused']}" for r in rows if "refused" in r]

@@ -88,3 +88,40 @@ def reduce_across_ranks(values: dict[str, float], device: torch.device,
         out[f"{prefix}{k}_max_rank"] = int(col.argmax())
     per_rank = [{k: float(table[r, j]) for j, k in enumerate(keys)} for r in range(table.shape[0])]
     return out, per_rank
+
+
+def start_memory_history(device: torch.device, max_entries: int = 100_000) -> None:
+    """Record the CUDA caching allocator's events, so an out-of-memory can dump what led up to it."""
+    if device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_oom(run_dir, rank: int, device: torch.device, step: int, phase: str, estimate_bytes: float,
+             error: BaseException) -> dict:
+    """Write `oom-rank<r>.json` (and on CUDA the allocator snapshot `oom-rank<r>.pickle`,
+    loadable at pytorch.org/memory_viz) and return the report with a message for the user."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    report = {"rank": rank, "step": step, "phase": phase, "device": str(device),
+              "estimate_bytes_per_rank": estimate_bytes, "error": str(error).splitlines()[0] if str(error) else ""}
+    if device.type == "cuda":
+        snapshot = run_dir / f"oom-rank{rank}.pickle"
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        report["snapshot"] = str(snapshot)
+        report["device_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        report["memory_stats"] = {k: v for k, v in torch.cuda.memory_stats(device).items()
+                                  if k in ("allocated_bytes.all.peak", "reserved_bytes.all.current", "num_ooms",
+                                           "num_alloc_retries")}
+    have = f" of {report['device_bytes'] / 2**30:.1f} GiB" if "device_bytes" in report else ""
+    report["message"] = (
+        f"rank {rank} ran out of memory{have} in {phase} at step {step} (analytic estimate "
+        f"{estimate_bytes / 2**30:.2f} GiB per rank; `meshforge estimate RECIPE` traces it by category)"
+        + (f"; allocator snapshot: {report['snapshot']} (open at https://pytorch.org/memory_viz)"
+           if "snapshot" in report else "")
+        + ". Lower train.micro_batch_size, set activation_checkpoint.mode=full, or shard more "
+          "(mesh.dp_shard, mesh.tp, mesh.pp)")
+    (run_dir / f"oom-rank{rank}.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

@@ -34,7 +34,7 @@ from meshforge.console import RunConsole
 from meshforge.data import ShardedLoader, build_source, loss_floor
 from meshforge.flops import flops_per_token, gpu_peak_flops, measure_cpu_matmul_flops
 from meshforge.loggers import Loggers, write_json_atomic
-from meshforge.memory import model_state_tensors, rank_memory, reduce_across_ranks, state_bytes
+from meshforge.memory import model_state_tensors, rank_memory, reduce_across_ranks, start_memory_history, state_bytes
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import ParallelDims, materialize, parallelize
 from meshforge.parallelisms.fsdp import DTYPES
@@ -112,6 +112,8 @@ class Trainer:
     def __init__(self, recipe: Recipe):
         self.recipe = r = recipe
         self.env = mfdist.setup(r.train.device, r.train.cpu_threads)
+        if r.logging.memory_history:
+            start_memory_history(self.env.device)
         self.dims = ParallelDims.from_config(r.mesh)
         if self.dims.world_size != self.env.world_size:
             raise RuntimeError(f"mesh {self.dims.degrees} needs {self.dims.world_size} ranks, running {self.env.world_size}")
@@ -160,6 +162,7 @@ class Trainer:
         self.peak_flops = self._device_peak_flops()
         self.state = RunState(step=self.start_step)
         self._stop_requested = False
+        self.phase = "setup"  # what the step is doing, for an out-of-memory report
 
     def _device_peak_flops(self) -> float | None:
         """Per-device peak: the GPU's datasheet number, or this CPU's measured matmul rate
@@ -230,6 +233,7 @@ class Trainer:
             inputs, labels = b.inputs.to(env.device), b.labels.to(env.device)
             with self._train_context():
                 if self.schedule is not None:
+                    self.phase = "forward/backward (pipeline schedule)"
                     kwargs = {"target": labels, "losses": []} if self.has_last else {}
                     args = (inputs,) if self.has_first else ()
                     before = len(self._ce_sums)
@@ -238,7 +242,9 @@ class Trainer:
                     real = self._ce_sums[before:][-self.recipe.pp.microbatches:] if self.has_last else []
                     self._ce_sums[before:] = real
                 else:
+                    self.phase = "forward"
                     ce = cross_entropy_sum(self.pmodel.parts[0](inputs), labels)
+                    self.phase = "backward"
                     (ce * self._loss_scale).backward()
                     self._ce_sums.append(ce.detach())
         for ce in self._ce_sums:
@@ -255,6 +261,7 @@ class Trainer:
         lr = self.schedulers[0].get_last_lr()[0]
         # loss and norm are reduced over all ranks, so every rank takes the same branch
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self.phase = "optimizer"
         if finite:
             for opt, sched in zip(self.optimizers, self.schedulers):
                 opt.step()
@@ -323,6 +330,11 @@ class Trainer:
                                     + ("; checkpoint saved, resume with checkpoint.load=latest" if c.enabled else ""))
             self.checkpointer.wait()
             status = "finished"
+        except torch.OutOfMemoryError as e:
+            status = "oom"
+            report = self._report_oom(e, st.step + 1)
+            run_info["error"] = report["message"]
+            raise OutOfMemory(report["message"]) from e
         except BaseException as e:
             run_info["error"] = f"{type(e).__name__}: {e}"
             raise
@@ -366,6 +378,15 @@ class Trainer:
             loggers.log_figure("memory_breakdown", fig, step)
             fig.clf()
         return out
+
+    def _report_oom(self, error: BaseException, step: int) -> dict:
+        """Which rank, what phase, the estimate, and (CUDA) the allocator's snapshot, written
+        beside the run's records (`oom-rank<r>.json`, `.pickle` for pytorch.org/memory_viz)."""
+        from meshforge.memory import dump_oom
+        from meshforge.plan import make_plan
+
+        estimate = make_plan(self.recipe).bytes_per_rank
+        return dump_oom(self.run_dir, self.env.rank, self.env.device, step, self.phase, estimate, error)
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True  # acted on at the end of the step, on every rank together
@@ -429,6 +450,10 @@ class Trainer:
             "versions": {"meshforge": meshforge.__version__, "torch": torch.__version__},
             "records": {"metrics": str(run_dir / "metrics.jsonl")},
         }
+
+
+class OutOfMemory(RuntimeError):
+    """A rank ran out of device memory; the report says where and what to change."""
 
 
 class Preempted(RuntimeError):

@@ -70,7 +70,7 @@ def test_explain_documents_fields(tmp_path):
 
 
 def test_estimate_every_mesh_of_a_world(tmp_path):
-    proc = run_cli(["estimate", str(RECIPES / "llm_8b.toml"), "--world", "16", "--all-meshes",
+    proc = run_cli(["estimate", str(RECIPES / "llm_8b.toml"), "--world", "16", "--all-meshes", "--analytic",
                     "--device-memory", "80GiB"], cwd=tmp_path, program="meshforge", timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("│ ")}

@@ -1,0 +1,95 @@
+"""The Llama 3 forward and loss of models/llama.py, as pure functions of a JAX pytree.
+
+`params` is a flat dict keyed by the torch parameter names (`layers.0.attention.wq.weight`)
+holding arrays in torch's layout (Linear weights are (out, in)), so an exported
+checkpoint is the pytree and a DeviceMesh placement maps to a PartitionSpec name by name.
+Same math as the torch model: interleaved-pair RoPE with Llama 3 frequency scaling, GQA by
+repeating each kv head for its group of query heads, RMSNorm, SwiGLU, causal attention.
+Activations run in the parameters' dtype, with softmax, norms and RoPE in float32 as torch does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshforge.models.llama import LlamaArgs, precompute_freqs_cis
+
+
+def rope_angles(args: LlamaArgs, seqlen: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the torch model's own RoPE table (S, head_dim/2): one source of truth."""
+    freqs = precompute_freqs_cis(args)[:seqlen]
+    return jnp.asarray(freqs.real.numpy()), jnp.asarray(freqs.imag.numpy())
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """torch.nn.RMSNorm: x / sqrt(mean(x^2) + eps) * weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved (even, odd) pairs, as torch.view_as_complex(x.reshape(..., -1, 2))."""
+    x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    even, odd = x32[..., 0], x32[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, S, 1, hd/2)
+    out = jnp.stack([even * c - odd * s, even * s + odd * c], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def repeat_kv(x: jax.Array, n_rep: int) -> jax.Array:
+    """(B, S, KVH, hd) -> (B, S, KVH * n_rep, hd): query head h reads kv head h // n_rep."""
+    return jnp.repeat(x, n_rep, axis=2)
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    return x @ weight.T  # torch layout: weight is (out, in)
+
+
+def attention(p: dict, prefix: str, x: jax.Array, cos, sin, args: LlamaArgs) -> jax.Array:
+    b, s, _ = x.shape
+    hd = args.head_dim
+    q = linear(x, p[f"{prefix}.wq.weight"]).reshape(b, s, -1, hd)
+    k = linear(x, p[f"{prefix}.wk.weight"]).reshape(b, s, -1, hd)
+    v = linear(x, p[f"{prefix}.wv.weight"]).reshape(b, s, -1, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    n_rep = q.shape[2] // k.shape[2]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd)
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, -1)
+    return linear(out, p[f"{prefix}.wo.weight"])
+
+
+def feed_forward(p: dict, prefix: str, x: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, p[f"{prefix}.w1.weight"])) * linear(x, p[f"{prefix}.w3.weight"]),
+                  p[f"{prefix}.w2.weight"])
+
+
+def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
+    """tokens (B, S) int -> logits (B, S, V), float32."""
+    cos, sin = rope_angles(args, tokens.shape[1])
+    h = params["tok_embeddings.weight"][tokens]
+    for i in range(args.n_layers):
+        pre = f"layers.{i}"
+        h = h + attention(params, f"{pre}.attention", rms_norm(h, params[f"{pre}.attention_norm.weight"],
+                                                              args.norm_eps), cos, sin, args)
+        h = h + feed_forward(params, f"{pre}.feed_forward", rms_norm(h, params[f"{pre}.ffn_norm.weight"],
+                                                                     args.norm_eps))
+    h = rms_norm(h, params["norm.weight"], args.norm_eps)
+    out = params.get("output.weight", params["tok_embeddings.weight"])  # tied: the embedding
+    return linear(h, out).astype(jnp.float32)
+
+
+def loss_fn(params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs,
+            ignore_index: int = -100) -> jax.Array:
+    """Mean token cross-entropy over labels != ignore_index (the torch trainer's loss)."""
+    logits = forward(params, tokens, args)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    mask = labels != ignore_index
+    picked = jnp.take_along_axis(logp, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
+    return -jnp.sum(jnp.where(mask, picked, 0.0)) / jnp.maximum(mask.sum(), 1)

@@ -1,0 +1,110 @@
+"""Memory: by category on a tracked step of a real run, the traced estimate against it,
+`meshforge estimate` on llm_1b, and the out-of-memory report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
+THREE_D = ["mesh.dp_shard=2", "mesh.tp=2", "mesh.pp=2", "train.steps=3", "logging.tensorboard=true"]
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory):
+    """The default 3-D mesh (FSDP 2 x TP 2 x PP 2, 8 processes), 3 steps, step 2 tracked."""
+    out = tmp_path_factory.mktemp("mem3d")
+    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, *THREE_D, f"output_dir={out}", "run_name=m",
+                    "logging.progress=true"], cwd=out, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "m", proc
+
+
+def test_breakdown_per_rank_is_logged_tabled_and_drawn(three_d):
+    run_dir, proc = three_d
+    summary = json.loads((run_dir / "run.json").read_text())["summary"]["memory_breakdown"]
+    assert summary["step"] == 2 and len(summary["per_rank"]) == 8
+    for row in summary["per_rank"]:
+        assert row["total"] == sum(row[c] for c in CATEGORIES)
+        assert row["parameters"] > 0 and row["optimizer"] > 0 and row["activations"] > 0
+    # pipeline stage 0 (ranks 0-3) holds the embedding, stage 1 (ranks 4-7) the output head: they differ
+    assert summary["per_rank"][0]["parameters"] != summary["per_rank"][4]["parameters"]
+    step2 = read_metrics(run_dir)[1]
+    assert step2["step"] == 2
+    assert step2["mem_breakdown/total_max"] == max(r["total"] for r in summary["per_rank"])
+    assert step2["mem_breakdown/total_min"] == min(r["total"] for r in summary["per_rank"])
+    assert "mem_breakdown/total_max" not in read_metrics(run_dir)[0]  # only the tracked step
+    assert (run_dir / "memory_breakdown.png").stat().st_size > 5000
+    assert "memory by category at the peak of step 2" in proc.stdout
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    assert "memory_breakdown" in acc.Tags()["images"] and "mem_breakdown/total_max" in acc.Tags()["scalars"]
+
+
+def test_traced_estimate_is_within_5_percent_of_the_measured_peak(three_d):
+    """The estimate traces one rank per pipeline stage on fake tensors; the run measured all 8."""
+    from meshforge.configs import load_recipe
+    from meshforge.estimate import trace_pool, traced_estimate
+
+    run_dir, _ = three_d
+    per_rank = json.loads((run_dir / "run.json").read_text())["summary"]["memory_breakdown"]["per_rank"]
+    recipe = load_recipe(RECIPES / "debug_cpu.toml", [*QUICK, *THREE_D])
+    with trace_pool() as pool:
+        est = traced_estimate(recipe, pool)
+    measured = max(r["total"] for r in per_rank)
+    assert abs(est["total"] / measured - 1) <= 0.05, (est, measured)
+    heaviest = max(range(8), key=lambda r: per_rank[r]["total"])
+    assert est["rank"] // 4 == heaviest // 4  # the same pipeline stage is the heaviest
+    assert est["optimizer"] == per_rank[est["rank"]]["optimizer"]  # AdamW moments: exact
+
+
+@pytest.mark.slow
+def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
+    """The issue's 'done when': every valid 8-rank layout of llm_1b, traced on a CPU, with a fit verdict."""
+    proc = run_cli(["estimate", str(RECIPES / "llm_1b.toml"), "--world", "8", "--all-meshes",
+                    "--device-memory", "80GiB"], cwd=tmp_path, program="meshforge", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("│ ")}
+    assert set(rows) == {"dp8", "dprep2-dp4", "dprep4-dp2", "dprep8"}  # tied embeddings refuse tp and pp
+    peak = {k: float(v[0]) for k, v in rows.items()}
+    assert peak["dp8"] < peak["dprep2-dp4"] < peak["dprep4-dp2"] < peak["dprep8"]  # less sharding, more memory
+    assert all(v[-1] == "yes" for v in rows.values())
+    # optimizer state: 2 fp32 moments of 1,235,814,400 params, sharded 8 ways on dp8
+    assert float(rows["dp8"][5]) == pytest.approx(2 * 4 * 1_235_814_400 / 8 / 2**30, abs=0.01)
+    assert "pp8: refused: model.tie_embeddings" in proc.stdout
+
+
+def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
+    """An OOM on step 3 (simulated: CPU runs cannot hit CUDA's) ends the run non-zero with rank,
+    phase and estimate, and leaves the steps before it on record."""
+    from meshforge.configs import load_recipe
+    from meshforge.train import OutOfMemory, Trainer
+
+    recipe = load_recipe(RECIPES / "debug_cpu.toml", ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", *QUICK,
+                                                      "train.steps=5", f"output_dir={tmp_path}", "run_name=oom"])
+    trainer = Trainer(recipe)
+    real_step = trainer.train_step
+
+    def step():
+        if trainer.state.step == 2:
+            trainer.phase = "backward"
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step()
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    with pytest.raises(OutOfMemory, match="rank 0 ran out of memory in backward at step 3"):
+        trainer.run()
+    run_dir = tmp_path / "oom"
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "oom" and "activation_checkpoint.mode=full" in info["error"]
+    report = json.loads((run_dir / "oom-rank0.json").read_text())
+    assert report["phase"] == "backward" and report["step"] == 3 and report["estimate_bytes_per_rank"] > 0
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
