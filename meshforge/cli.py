@@ -240,10 +240,10 @@ def _parity(args) -> int:
         model = get_model_spec(recipe.model.name).build(margs)
         model.init_weights(recipe.seed)
         what = f"{recipe.model.name}/{recipe.model.flavor} freshly initialised (seed {recipe.seed})"
-    factor = args.sharpen if args.sharpen is not None else (1.0 if ckpt is not None else 4.0)
+    factor = args.sharpen if args.sharpen is not None else (1.0 if ckpt is not None else 8.0)
     if factor != 1.0:
         sharpen(model, factor)
-        what += f", q/k/output x{factor:g}"
+        what += f", attention/output weights x{factor:g}"
     data = build_source(recipe.data, margs.vocab_size, min(args.seq_len, margs.max_seq_len))
     tokens = ShardedLoader(data, args.samples, 1).next_step()[0].inputs
     result = run_parity(model.eval(), margs, tokens, args.dtype)
@@ -389,7 +389,7 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     par.add_argument("items", nargs="*", metavar="RECIPE|CHECKPOINT|key=value")
     par.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     par.add_argument("--sharpen", type=float, default=None,
-                     help="scale q/k/output (default 4 for fresh weights, whose flat logits hide bugs; 1 for checkpoints)")
+                     help="scale attention and output weights (default 8 for fresh weights, whose flat logits hide bugs; 1 for checkpoints)")
     par.add_argument("--samples", type=int, default=4, help="sequences compared")
     par.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     pps = sub.add_parser("pp-schedule", help="draw a recipe's pipeline schedule per rank, with its bubble fraction")

@@ -52,6 +52,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def from_numpy(a: np.ndarray) -> torch.Tensor:
     """numpy (ml_dtypes.bfloat16 included) -> torch, same bits."""
     a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # e.g. a view of a JAX array: torch tensors may be written to
+        a = a.copy()
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)

@@ -132,7 +132,10 @@ def placements_to_spec(placements, mesh_dim_names: tuple[str, ...], ndim: int) -
             per_dim[p.dim % ndim].append(axis)
     # a strided shard splits each of the later (plain) shards further: it is the innermost axis
     axes = [plain + inner for plain, inner in zip(per_dim, strided)]
-    return PartitionSpec(*[None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes])
+    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes]
+    while entries and entries[-1] is None:  # trailing dims unsharded: JAX's canonical spelling
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def check_even(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
@@ -173,11 +176,13 @@ def compare_logits(reference: np.ndarray, other: np.ndarray) -> Parity:
 
 
 def sharpen(model: torch.nn.Module, factor: float) -> None:
-    """Scale q, k and the output head: freshly initialised logits are nearly flat, and flat
-    logits agree whatever the bugs (a missing RoPE permutation, tiled GQA heads)."""
+    """Scale the attention projections and the output head: freshly initialised logits are
+    nearly flat and barely depend on attention, so they agree whatever the bugs (a missing
+    RoPE permutation, tiled GQA heads, a broken RoPE buffer)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("attention.wq.weight", "attention.wk.weight", "output.weight")):
+            if name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                              "attention.wo.weight", "output.weight")):
                 p.mul_(factor)
 
 

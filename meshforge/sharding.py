@@ -65,3 +65,24 @@ def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
     """rank -> (FQN -> placement) for every rank of the recipe's mesh."""
     world = ParallelDims.from_config(recipe.mesh).world_size
     return {str(rank): rank_placements(recipe, rank) for rank in range(world)}
+
+
+def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:
+    """Parameter FQN -> where rank `rank`'s local shard sits in the global tensor (offset,
+    shape) and the placements behind it. Run one rank per process (estimate.trace_pool):
+    torch caches sliced DeviceMeshes by layout, so a second simulated rank in the same
+    process would see the first one's coordinates."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with simulated_rank(recipe, rank) as (_, meshes, pmodel):
+        out = {}
+        for part in pmodel.parts:
+            for fqn, p in part.named_parameters():
+                if not isinstance(p, DTensor):
+                    out[fqn] = {"mesh_dims": (), "placements": (), "offset": (0,) * p.dim(), "shape": tuple(p.shape)}
+                    continue
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                out[fqn] = {"mesh_dims": p.device_mesh.mesh_dim_names, "placements": tuple(p.placements),
+                            "offset": tuple(offset), "shape": tuple(shape), "global_shape": tuple(p.shape),
+                            "coordinate": tuple(meshes.root.get_coordinate())}
+        return out

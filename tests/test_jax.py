@@ -1,0 +1,188 @@
+"""JAX interop: the twin computes what the torch model computes (and parity catches the
+classic bugs), weights cross bit-exactly (HF, TorchTitan, Orbax), placements map to
+PartitionSpecs, and DLPack aliases."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import jax  # noqa: E402  (the `jax` extra; the test extra includes it)
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from conftest import QUICK, RECIPES, run_cli  # noqa: E402
+from meshforge import interop, jax_bridge  # noqa: E402
+from meshforge.models import llama_jax  # noqa: E402
+from meshforge.models.llama import LlamaArgs, Transformer  # noqa: E402
+
+# GQA (4 query heads, 2 kv heads) and Llama 3 RoPE scaling with a short original context,
+# so the scaling changes real frequencies in a 64-token test
+ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=128,
+                 rope_theta=10000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=32, norm_eps=1e-5)
+
+
+def sharp_model(args: LlamaArgs = ARGS) -> Transformer:
+    model = Transformer(args)
+    model.init_weights(0)
+    jax_bridge.sharpen(model, 8.0)
+    return model.eval()
+
+
+TOKENS = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def test_twin_matches_torch_in_fp32_and_bf16():
+    fp32 = jax_bridge.run_parity(sharp_model(), ARGS, TOKENS, "float32")
+    assert fp32.within("float32"), fp32
+    assert fp32.max_abs_logit_diff < 1e-4 and fp32.top1_agreement == 1.0
+    bf16 = jax_bridge.run_parity(sharp_model(), ARGS, TOKENS, "bfloat16")
+    assert bf16.within("bfloat16"), bf16
+
+
+def test_parity_fails_on_the_classic_bugs(monkeypatch):
+    model = sharp_model()
+    ref = model.state_dict()
+    # 1. HF weights loaded without undoing the rotate-half permutation of q/k rows
+    hf = interop.to_hf(ref, ARGS)
+    unpermuted = {n: t for n, t in interop.from_hf(hf, ARGS).items()}
+    for i in range(ARGS.n_layers):
+        unpermuted[f"layers.{i}.attention.wq.weight"] = hf[f"model.layers.{i}.self_attn.q_proj.weight"]
+        unpermuted[f"layers.{i}.attention.wk.weight"] = hf[f"model.layers.{i}.self_attn.k_proj.weight"]
+    bad = jax_bridge.run_parity(model, ARGS, TOKENS, params=jax_bridge.state_to_pytree(unpermuted))
+    assert not bad.within("float32") and bad.max_abs_logit_diff > 1e-2, bad
+    # 2. a wrong RMSNorm eps, 3. Llama 3 RoPE scaling ignored
+    for wrong in (LlamaArgs(**{**vars(ARGS), "norm_eps": 1e-2}), LlamaArgs(**{**vars(ARGS), "rope_scaling_factor": None})):
+        bad = jax_bridge.run_parity(sharp_model(), wrong, TOKENS)
+        assert not bad.within("float32"), (wrong, bad)
+    # 4. GQA kv heads tiled (h -> h % KVH) instead of repeated (h -> h // n_rep)
+    monkeypatch.setattr(llama_jax, "repeat_kv", lambda x, n: jnp.tile(x, (1, 1, n, 1)))
+    bad = jax_bridge.run_parity(sharp_model(), ARGS, TOKENS)
+    assert not bad.within("float32"), bad
+    monkeypatch.undo()
+    # 5. model.to(bfloat16) casts the complex RoPE buffer to a real dtype: the rotation is lost
+    broken = sharp_model()
+    params = jax_bridge.state_to_pytree(broken.state_dict(), torch.bfloat16)
+    with pytest.warns(UserWarning, match="discards the imaginary part"):
+        broken.to(torch.bfloat16)
+    with torch.no_grad():
+        logits = broken(TOKENS).float().numpy()
+    twin = np.asarray(llama_jax.forward(params, jnp.asarray(TOKENS.numpy()), ARGS))
+    bad = jax_bridge.compare_logits(logits, twin)
+    assert not bad.within("bfloat16"), bad
+
+
+def test_hf_export_runs_in_transformers_with_the_same_logits(tmp_path):
+    import transformers
+    model = sharp_model()
+    interop.save_hf(model.state_dict(), ARGS, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, model(TOKENS), atol=1e-4, rtol=1e-4)
+    back, args = interop.load_hf(tmp_path / "hf")
+    assert args.ffn_hidden_dim == ARGS.ffn_hidden_dim and args.rope_scaling_factor == 8.0
+    ours = model.state_dict()
+    assert set(back) == set(ours) - {"freqs_cis"}
+    assert all(torch.equal(back[k], ours[k]) for k in back)  # round trip: bit-exact
+
+
+def test_bf16_and_torchtitan_round_trips_are_bit_exact():
+    t = torch.randn(33, 7).to(torch.bfloat16)
+    a = interop.to_numpy(t)
+    assert a.dtype.name == "bfloat16" and torch.equal(interop.from_numpy(a), t)
+    state = {k: v.to(torch.bfloat16) for k, v in sharp_model().state_dict().items() if k != "freqs_cis"}
+    titan = interop.to_torchtitan(state)
+    assert "layers.0.attention.qkv_linear.wq.weight" in titan and "lm_head.weight" in titan
+    back = interop.from_torchtitan(titan)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    pytree = jax_bridge.state_to_pytree(state)
+    assert all(torch.equal(interop.from_numpy(np.asarray(pytree[k])), state[k]) for k in state)
+
+
+def test_trained_checkpoint_exports_to_jax_and_passes_parity(tmp_path):
+    """Train, checkpoint, export to an Orbax pytree: the twin on it matches the torch model."""
+    proc = run_cli([str(RECIPES / "debug_cpu.toml"), "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", *QUICK,
+                    "train.steps=30", "checkpoint.enabled=true", "checkpoint.interval=30", f"output_dir={tmp_path}",
+                    "run_name=t"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = tmp_path / "t" / "checkpoints"
+    proc = run_cli(["export", str(ckpt), "--to", "jax", str(tmp_path / "jax")], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from meshforge.checkpoint import load_full_model, resolve_load
+
+    model, args, _ = load_full_model(resolve_load(str(ckpt), ckpt))
+    params = jax_bridge.load_pytree(tmp_path / "jax" / "params")
+    state = model.state_dict()
+    assert all(np.array_equal(np.asarray(params[k]), state[k].numpy()) for k in params)
+    result = jax_bridge.run_parity(model.eval(), args, TOKENS[:, :32] % args.vocab_size, params=params)
+    assert result.within("float32"), result
+    proc = run_cli(["parity", str(ckpt)], cwd=tmp_path, program="meshforge")  # trained weights: no sharpening
+    assert proc.returncode == 0 and "within targets" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_placements_map_to_partition_specs():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    names = ("dp_shard", "tp")
+    # FSDP over TP: FSDP's rows are a strided split inside each TP shard
+    assert jax_bridge.placements_to_spec((_StridedShard(0, split_factor=2), Shard(0)), names, 2) == P(("tp", "dp_shard"))
+    assert jax_bridge.placements_to_spec((Shard(0), Shard(1)), names, 2) == P("dp_shard", "tp")
+    assert jax_bridge.placements_to_spec((Shard(0), Replicate()), names, 2) == P("dp_shard")
+    assert jax_bridge.placements_to_spec((Replicate(), Shard(0), Shard(0)), ("dp_replicate", *names), 1) == \
+        P(("dp_shard", "tp"))
+    with pytest.raises(ValueError, match="pending reduction"):
+        jax_bridge.placements_to_spec((Shard(0), Partial()), names, 2)
+    mesh = jax_bridge.jax_mesh({"dp_replicate": 1, "dp_shard": 4, "tp": 2})
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        jax_bridge.check_even((12, 4), P(("tp", "dp_shard")), mesh)
+
+
+def test_fsdp_tp_shards_land_on_the_same_jax_devices():
+    """For every rank of an FSDP 4 x TP 2 mesh and every parameter, the slice that rank holds
+    in training equals what JAX places on the device with the same mesh coordinates under
+    the NamedSharding derived from the placements."""
+    from jax.sharding import NamedSharding
+
+    from meshforge.configs import load_recipe
+    from meshforge.estimate import trace_pool
+    from meshforge.sharding import rank_slices
+
+    recipe = load_recipe(RECIPES / "debug_cpu.toml", ["mesh.dp_shard=4", "mesh.tp=2", "mesh.pp=1"])
+    with trace_pool() as pool:
+        per_rank = [f.result() for f in [pool.submit(rank_slices, recipe, rank) for rank in range(8)]]
+    mesh = jax_bridge.jax_mesh({"dp_replicate": 1, "dp_shard": 4, "tp": 2})
+    specs = set()
+    for fqn, first in per_rank[0].items():
+        full = np.arange(np.prod(first["global_shape"]), dtype=np.float32).reshape(first["global_shape"])
+        spec = jax_bridge.placements_to_spec(first["placements"], first["mesh_dims"], full.ndim)
+        specs.add(spec)
+        arr = jax.device_put(jnp.asarray(full), NamedSharding(mesh, spec))
+        on_device = {s.device: np.asarray(s.data) for s in arr.addressable_shards}
+        for rank, slices in enumerate(per_rank):
+            s = slices[fqn]
+            _, rep, shard, tp = s["coordinate"]
+            expected = full[tuple(slice(o, o + n) for o, n in zip(s["offset"], s["shape"]))]
+            np.testing.assert_array_equal(on_device[mesh.devices[rep, shard, tp]], expected, err_msg=f"{fqn} rank {rank}")
+    assert P(("tp", "dp_shard")) in specs and P("dp_shard", "tp") in specs  # colwise and rowwise weights
+
+
+def test_dlpack_shares_memory_both_ways():
+    t = torch.arange(6, dtype=torch.float32)
+    a = jax_bridge.to_jax(t)
+    t.add_(1)  # a write to the torch tensor shows in the JAX array: they alias
+    assert np.asarray(a).tolist() == [1, 2, 3, 4, 5, 6]
+    b = jax_bridge.to_torch(jnp.ones(3, dtype=jnp.bfloat16))
+    assert b.dtype == torch.bfloat16 and b.tolist() == [1, 1, 1]
+    g = torch.ones(2, requires_grad=True)
+    assert jax_bridge.to_jax(g).shape == (2,)  # detached first
+    ids = jax_bridge.to_jax(torch.tensor([1, 2**20], dtype=torch.int64))
+    assert ids.dtype == jnp.int32 and np.asarray(ids).tolist() == [1, 2**20]
+    with pytest.raises(OverflowError):
+        jax_bridge.to_jax(torch.tensor([2**40]))
