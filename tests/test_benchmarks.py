@@ -29,6 +29,10 @@ def test_recorded_results_are_in_the_repo():
     assert recorded["rounds"] >= 5 and recorded["steps_per_round"] >= 20  # a real run, not the smoke size
     scaling = json.loads((REPO / "benchmarks" / "results" / "fsdp_memory_scaling.json").read_text())
     assert [r["dp_shard"] for r in scaling["rows"]] == [1, 2, 4, 8]
+    accuracy = json.loads((REPO / "benchmarks" / "results" / "estimator_accuracy.json").read_text())
+    assert {r["world"] for r in accuracy["rows"]} == {4, 8} and len(accuracy["rows"]) >= 20
+    bubble = json.loads((REPO / "benchmarks" / "results" / "pipeline_bubble.json").read_text())
+    assert [r["schedule"] for r in bubble["rows"]] == ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 
 
 @pytest.mark.slow
@@ -42,3 +46,29 @@ def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
     assert one["state_bytes_per_rank"] > 1e6 and two["ideal_bytes"] == one["state_bytes_per_rank"] / 2
     assert two["ratio_to_ideal"] == two["state_bytes_per_rank"] / two["ideal_bytes"]
     assert "| 2 |" in (tmp_path / "fsdp_memory_scaling.md").read_text()
+
+
+@pytest.mark.slow
+def test_estimator_accuracy_benchmark_writes_its_results(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "estimator_accuracy.py"), "--worlds", "2",
+                           "--out", str(tmp_path)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "estimator_accuracy.json").read_text())
+    assert {r["layout"] for r in result["rows"]} == {"dp2", "dprep2", "tp2", "pp2"}  # every 2-rank mesh
+    for r in result["rows"]:
+        assert r["measured_bytes"] > 1e6 and r["error"] == r["estimated_bytes"] / r["measured_bytes"] - 1
+    assert result["worst_abs_error"] == max(abs(r["error"]) for r in result["rows"])
+    assert "| 2 | dp2 |" in (tmp_path / "estimator_accuracy.md").read_text()
+
+
+@pytest.mark.slow
+def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "pipeline_bubble.py"), "--schedules", "GPipe",
+                           "--steps", "3", "--out", str(tmp_path), "model.dim=64", "model.n_heads=4"],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "pipeline_bubble.json").read_text())
+    (row,) = result["rows"]
+    assert row["schedule"] == "GPipe" and row["theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
+    assert row["measured"] == pytest.approx(1 - result["one_rank_step_time_s"] / 2 / row["step_time_s"])
