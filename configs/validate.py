@@ -64,6 +64,7 @@ def _check_enums(r: Recipe) -> list[Problem]:
         "pp.schedule": (r.pp.schedule, SCHEDULES),
         "optimizer.name": (r.optimizer.name, ("adamw",)),
         "model.name": (r.model.name, _model_names()),
+        "backend": (r.backend, ("torch", "jax")),
     }
     if r.logging.wandb_mode is not None:
         choices["logging.wandb_mode"] = (r.logging.wandb_mode, ("online", "offline", "disabled"))
@@ -261,6 +262,18 @@ def _check_combinations(r: Recipe) -> list[Problem]:
         problems.append(Problem("fsdp.reshard_after_forward", True,
                                 f"{r.pp.schedule} with FSDP resharding after forward gives wrong gradients on torch 2.13; "
                                 "set fsdp.reshard_after_forward=false or use 1F1B/Interleaved1F1B"))
+    if r.backend == "jax":
+        why = "backend=jax trains data- and tensor-parallel recipes"
+        if r.mesh.pp > 1:
+            problems.append(Problem("mesh.pp", r.mesh.pp, f"{why}; pipeline parallelism is torch-only: set mesh.pp=1 "
+                                                           "(and give its ranks to dp_shard or tp) or backend=torch"))
+        if r.fsdp.param_dtype != "float32":
+            problems.append(Problem("fsdp.param_dtype", r.fsdp.param_dtype,
+                                    f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch"))
+        if r.checkpoint.enabled or r.checkpoint.load or r.checkpoint.init_from:
+            problems.append(Problem("checkpoint.enabled", r.checkpoint.enabled,
+                                    f"{why} without checkpoints for now; export a torch checkpoint with "
+                                    "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false"))
     if r.compile.enabled and r.mesh.tp > 1:
         problems.append(Problem("compile.enabled", True,
                                 "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "

@@ -131,7 +131,7 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
         console.print(table)
         return 0
     world = plan.dims.world_size
-    launching = world > 1 and not under_torchrun()
+    launching = world > 1 and not under_torchrun() and recipe.backend == "torch"
     missing = check_machine(recipe, plan, pick_device_type(recipe.train.device), launching)
     if missing:
         err_console.print("[bold red]error:[/] this machine cannot run the recipe as written:")
@@ -143,7 +143,9 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
     if not resuming and (not under_torchrun() or os.environ.get("RANK") == "0"):
         _set_aside_previous_run(recipe)
     try:
-        if launching:
+        if recipe.backend == "jax":
+            _train_jax(recipe, world)
+        elif launching:
             from meshforge.launch import launch_local
 
             launch_local(recipe, world)
@@ -165,6 +167,25 @@ def run_loaded(recipe: Recipe, print_config: bool = False, dry_run: bool = False
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 1
     return 0
+
+
+def _train_jax(recipe: Recipe, world: int) -> None:
+    """One controller process; on CPU, JAX is told to expose `world` devices before it starts."""
+    import sys
+
+    if "jax" not in sys.modules and pick_jax_cpu(recipe):
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={world}".strip()
+    from meshforge.train_jax import train_jax
+
+    train_jax(recipe)
+
+
+def pick_jax_cpu(recipe: Recipe) -> bool:
+    from meshforge.distributed import pick_device_type
+
+    return pick_device_type(recipe.train.device) == "cpu"
 
 
 def _set_aside_previous_run(recipe: Recipe) -> None:
@@ -217,7 +238,6 @@ def _export(args) -> int:
 
 def _parity(args) -> int:
     """Torch model vs its JAX twin on the same tokens: max |dlogit|, mean KL, top-1 agreement."""
-    import torch
     from rich.table import Table
 
     from meshforge.checkpoint import load_full_model, resolve_load

@@ -91,7 +91,7 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         else:  # microbatches one after another; the second backward finds every grad allocated
             actions = [(0, kind, m) for m in range(min(n_micro, 2)) for kind in "FB"]
         parts = dict(zip(pmodel.stage_ids, pmodel.parts))
-        tracker = make_tracker(pmodel.parts, optimizers, n_micro)
+        tracker = make_tracker(pmodel.parts, optimizers)
         live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
         with tracker, ctx:
             for stage, kind, m in actions:

@@ -1,8 +1,7 @@
 """Memory by category, from torch's own trackers, for a measured step and for an estimate.
 
-`MemTracker` (and `FSDPMemTracker` for a single FSDP2 module) watch every tensor storage
-created under them and label it (parameter, gradient, optimizer state, activation,
-all-gather / reduce-scatter buffer, temporary). They work on CPU tensors and on fake
+torch's `MemTracker` watches every tensor storage created under it and labels it
+(parameter, buffer, gradient, optimizer state, activation, temporary). They work on CPU tensors and on fake
 tensors alike, so the same code measures a real step (train.py) and traces one for
 `meshforge estimate` (estimate.py). We fold their labels into six categories.
 """
@@ -39,16 +38,15 @@ def fold(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def make_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], forwards_per_step: int):
-    """FSDPMemTracker when this rank runs one FSDP2 module once per step (it tells
-    all-gather and reduce-scatter buffers apart, but refuses a second forward of the same
-    module in one step), else a MemTracker over every part and optimizer that allows it
-    (microbatches, pipeline schedules)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import FSDPModule
+def make_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+    """A MemTracker over every model part and optimizer that allows a module to run forward
+    more than once per step (microbatches, pipeline schedules).
 
-    if forwards_per_step == 1 and len(parts) == 1 and isinstance(parts[0], FSDPModule):
-        return FSDPMemTracker(parts[0], optimizers[0])
+    Not FSDPMemTracker, though it would tell FSDP's all-gather and reduce-scatter buffers
+    apart: on torch 2.13 it leaves its forward hooks installed after it exits when one FSDP
+    group holds several modules (our [norm, output] group), and the next step then fails.
+    So FSDP buffers count as activations/temporaries and `communication` stays 0 for now.
+    """
     tracker = StepMemTracker()
     tracker.track_external(*parts, *optimizers)
     return tracker

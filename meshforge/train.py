@@ -365,8 +365,7 @@ class Trainer:
         logged (max/min over ranks), tabled at the end and drawn as a stacked bar per rank."""
         from meshforge.memtrace import make_tracker, peak_categories, save_breakdown
 
-        forwards_per_step = self.recipe.pp.microbatches if self.dims.pp_enabled else self.recipe.train.grad_accum_steps
-        tracker = make_tracker(self.pmodel.parts, self.optimizers, forwards_per_step)
+        tracker = make_tracker(self.pmodel.parts, self.optimizers)
         with tracker:
             out = self.train_step()
         reduced, per_rank = reduce_across_ranks(peak_categories(tracker), self.env.device, prefix="mem_breakdown/")

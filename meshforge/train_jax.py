@@ -1,0 +1,177 @@
+"""`run_recipe RECIPE backend=jax`: the same recipe trained in JAX, for side-by-side runs.
+
+One controller process drives the recipe's mesh as JAX devices (on CPU,
+--xla_force_host_platform_device_count=<world> is set before JAX starts). The weights
+start from the torch model's own mesh-independent init, and every parameter is placed
+with the PartitionSpec derived from the placements the torch run gives it (FSDP rows,
+TP columns/rows), so XLA partitions the step the way the recipe says. Same data stream
+(the global batch of every step), same loss (token sum / global token count), same
+clipping rule and AdamW, same metric keys into the same records, so `meshforge compare`
+reads both runs. Data and tensor parallel only: pipeline parallelism is refused at
+validation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+import meshforge
+from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.console import RunConsole
+from meshforge.data import ShardedLoader, build_source
+from meshforge.distributed import DistEnv
+from meshforge.flops import flops_per_token, measure_cpu_matmul_flops
+from meshforge.jax_bridge import check_even, jax_mesh, placements_to_spec, state_to_pytree
+from meshforge.loggers import Loggers, write_json_atomic
+from meshforge.memory import rank_memory, reduce_across_ranks
+from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.models.llama_jax import forward
+from meshforge.parallelisms import ParallelDims
+from meshforge.train import IGNORE_INDEX, RunState, Trainer, lr_multiplier
+
+
+def torch_param_specs(recipe: Recipe) -> dict[str, PartitionSpec]:
+    """Parameter name -> the PartitionSpec of the placements a torch run of the recipe uses
+    (read off a simulated rank 0, in a fresh worker process)."""
+    from meshforge.estimate import trace_pool
+    from meshforge.sharding import rank_slices
+
+    if ParallelDims.from_config(recipe.mesh).world_size == 1:
+        return {}
+    with trace_pool(1) as pool:
+        slices = pool.submit(rank_slices, recipe, 0).result()
+    return {fqn: placements_to_spec(s["placements"], s["mesh_dims"], len(s["shape"])) for fqn, s in slices.items()}
+
+
+class JaxTrainer:
+    def __init__(self, recipe: Recipe):
+        self.recipe = r = recipe
+        self.dims = ParallelDims.from_config(r.mesh)
+        world = self.dims.world_size
+        if len(jax.devices()) < world:
+            raise RuntimeError(f"the mesh needs {world} JAX devices, JAX sees {len(jax.devices())}; on CPU set "
+                               f"XLA_FLAGS=--xla_force_host_platform_device_count={world} before JAX starts")
+        self.env = DistEnv(0, 0, world, world, torch.device("cpu"))  # one controller, `world` devices
+        self.mesh = jax_mesh(self.dims.degrees)
+        self.model_args = args = args_from_config(r.model)
+        model = get_model_spec(r.model.name).build(args)
+        model.init_weights(r.seed)  # the torch run's init: bit-identical on every mesh
+        self.n_params = count_params(model)
+        state = {k: v for k, v in model.state_dict().items() if not (args.tie_embeddings and k == "output.weight")}
+        specs = torch_param_specs(r)
+        self.shardings = {}
+        for name, t in state.items():
+            spec = specs.get(name, PartitionSpec())
+            check_even(tuple(t.shape), spec, self.mesh)
+            self.shardings[name] = NamedSharding(self.mesh, spec)
+        self.params = {k: jax.device_put(v, self.shardings[k]) for k, v in state_to_pytree(state).items()}
+        del model, state
+        o = r.optimizer
+        self.tx = optax.inject_hyperparams(optax.adamw)(learning_rate=o.lr, b1=o.betas[0], b2=o.betas[1], eps=o.eps,
+                                                        weight_decay=o.weight_decay)
+        self.opt_state = self.tx.init(self.params)
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(("dp_replicate", "dp_shard")))
+        # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
+        self.source = build_source(r.data, args.vocab_size, r.train.seq_len)
+        self.loader = ShardedLoader(self.source, r.train.global_batch_size, 1)
+        self.flops_per_token = flops_per_token(args, r.train.seq_len, self.n_params)
+        self.peak_flops = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None
+        self.run_dir = Path(r.output_dir) / r.run_name
+        self.state = RunState()
+        self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+
+    summary = Trainer.summary  # the same summary (reads state, flops, source, env) as the torch run
+
+    def _train_step(self, params, opt_state, tokens, labels):
+        args, max_norm = self.model_args, self.recipe.train.max_norm
+
+        def ce_sum(p):
+            logp = jax.nn.log_softmax(forward(p, tokens, args), axis=-1)
+            mask = labels != IGNORE_INDEX
+            picked = jnp.take_along_axis(logp, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
+            return -jnp.sum(jnp.where(mask, picked, 0.0)), mask.sum()
+
+        (total, n_tokens), grads = jax.value_and_grad(ce_sum, has_aux=True)(params)
+        grads = jax.tree.map(lambda g: g / n_tokens, grads)
+        norm = optax.global_norm(grads)
+        if max_norm > 0:  # the torch trainer's rule: scale by max_norm / (norm + 1e-6) when that is < 1
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (norm + 1e-6)), grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, total / n_tokens, norm, n_tokens
+
+    def train_step(self, step: int) -> dict:
+        r = self.recipe
+        (batch,) = self.loader.next_step()
+        lr = r.optimizer.lr * lr_multiplier(step - 1, r.train.steps, r.lr_scheduler)
+        self.opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, dtype=jnp.float32)
+        tokens = jax.device_put(batch.inputs.numpy().astype(np.int32), self.batch_sharding)
+        labels = jax.device_put(batch.labels.numpy().astype(np.int32), self.batch_sharding)
+        self.params, self.opt_state, loss, norm, n = self._step(self.params, self.opt_state, tokens, labels)
+        return {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "tokens": int(n)}
+
+    def run(self) -> RunState:
+        r, st = self.recipe, self.state
+        console = RunConsole(enabled=r.logging.progress)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        info = {"run_id": f"{r.run_name}-{uuid.uuid4().hex[:8]}", "run_name": r.run_name, "status": "running",
+                "backend": "jax", "start_time": time.time(), "recipe": recipe_to_dict(r), "mesh": self.dims.degrees,
+                "world_size": self.env.world_size, "device": jax.default_backend(), "n_params": self.n_params,
+                "param_specs": {k: str(s.spec) for k, s in self.shardings.items()},
+                "versions": {"meshforge": meshforge.__version__, "jax": jax.__version__, "optax": optax.__version__},
+                "records": {"metrics": str(self.run_dir / "metrics.jsonl")}}
+        write_json_atomic(self.run_dir / "run.json", info)
+        config = {**recipe_to_dict(r), **self.dims.degrees, "world_size": self.env.world_size,
+                  "layout": self.dims.label(), "backend": "jax"}
+        loggers = Loggers(r.logging, self.run_dir, r.run_name, info["run_id"], config, console.console)
+        console.start(self, self.run_dir)
+        status = "failed"
+        try:
+            for step in range(1, r.train.steps + 1):
+                t0 = time.perf_counter()
+                out = self.train_step(step)
+                dt = time.perf_counter() - t0
+                if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
+                    raise FloatingPointError(f"non-finite loss ({out['loss']}) at step {step} (backend=jax)")
+                st.step = step
+                st.losses.append(out["loss"])
+                st.tokens_per_sec.append(out["tokens"] / dt)
+                if step % r.logging.log_every == 0 or step == r.train.steps:
+                    metrics = self._metrics(step, out, dt)
+                    loggers.log(metrics)
+                    console.update(step, metrics)
+            status = "finished"
+        except BaseException as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            summary = self.summary()
+            info.update(status=status, end_time=time.time(), summary=summary)
+            write_json_atomic(self.run_dir / "run.json", info)
+            loggers.close(summary)
+            console.finish(self, self.run_dir, loggers, status)
+        return st
+
+    def _metrics(self, step: int, out: dict, dt: float) -> dict:
+        state_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)) if hasattr(x, "nbytes"))
+        mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state_bytes), self.env.device)
+        self.state.last_memory, self.state.per_rank_memory = mem, []
+        tps = out["tokens"] / dt
+        perf = {"tflops_per_device": self.flops_per_token * tps / self.env.world_size / 1e12}
+        if self.peak_flops:
+            perf["mfu"] = perf["tflops_per_device"] * 1e12 / self.peak_flops
+        return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
+                "tokens_per_sec": tps, "step_time": dt, **perf, **mem}
+
+
+def train_jax(recipe: Recipe) -> RunState:
+    return JaxTrainer(recipe).run()
