@@ -148,6 +148,8 @@ class CheckpointConfig:
     save_at_end: bool = F(True, "save after the last step (when enabled)")
     load: Optional[str] = F(None, "resume from 'latest' (this run's newest, if any) or a checkpoint path")
     init_from: Optional[str] = F(None, "initial weights from a seed checkpoint (`meshforge init`), any mesh")
+    init_from_hf: Optional[str] = F(None, "initial weights from an HF Llama folder (config.json + safetensors); "
+                                          "each rank reads only its shards")
 
 
 @dataclass

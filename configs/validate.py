@@ -49,6 +49,7 @@ def resolve_and_validate(recipe: Recipe, world_size: int | None) -> list[Problem
         problems += _check_combinations(recipe)
     problems += _check_ranges(recipe)
     problems += _check_data(recipe)
+    problems += _check_init(recipe)
     return problems
 
 
@@ -270,7 +271,7 @@ def _check_combinations(r: Recipe) -> list[Problem]:
         if r.fsdp.param_dtype != "float32":
             problems.append(Problem("fsdp.param_dtype", r.fsdp.param_dtype,
                                     f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch"))
-        if r.checkpoint.enabled or r.checkpoint.load or r.checkpoint.init_from:
+        if r.checkpoint.enabled or r.checkpoint.load or r.checkpoint.init_from or r.checkpoint.init_from_hf:
             problems.append(Problem("checkpoint.enabled", r.checkpoint.enabled,
                                     f"{why} without checkpoints for now; export a torch checkpoint with "
                                     "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false"))
@@ -313,4 +314,30 @@ def _check_data(r: Recipe) -> list[Problem]:
         return [Problem("data.path", d.path, "data.source='text' needs a glob of local text files, e.g. 'data/*.txt'")]
     if d.source == "hf" and not (d.path or d.hf_dataset):
         return [Problem("data.path", d.path, "data.source='hf' needs data.path (local json/parquet/text files) or data.hf_dataset")]
+    return []
+
+
+def _check_init(r: Recipe) -> list[Problem]:
+    """An HF folder to start from must exist and hold the recipe's model."""
+    c = r.checkpoint
+    if not c.init_from_hf:
+        return []
+    if c.init_from:
+        return [Problem("checkpoint.init_from_hf", c.init_from_hf, "set either checkpoint.init_from or "
+                                                                    "checkpoint.init_from_hf, not both")]
+    from pathlib import Path
+
+    from meshforge.interop import args_from_hf_config, check_compatible
+
+    config = Path(c.init_from_hf) / "config.json"
+    if not config.is_file():
+        return [Problem("checkpoint.init_from_hf", c.init_from_hf,
+                        "no config.json there: point it at an HF Llama folder (config.json + *.safetensors)")]
+    import json
+
+    diff = check_compatible(args_from_hf_config(json.loads(config.read_text())), _resolved_model_args(r))
+    if diff:
+        return [Problem("checkpoint.init_from_hf", c.init_from_hf,
+                        "its model differs from the recipe's (" + "; ".join(diff) + "): use the checkpoint's "
+                        "model.flavor or set model.* to its config.json")]
     return []

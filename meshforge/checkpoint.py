@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -259,6 +260,32 @@ def load_full_model(checkpoint: Path) -> tuple[nn.Module, object, dict]:
     model.init_buffers()
     dcp_load({"model": ModelState([model])}, checkpoint)
     return model, args, meta
+
+
+def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
+    """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax
+    (checking shapes, and for HF the config, against the model)."""
+    from meshforge import interop
+
+    args = model.args
+    if fmt == "hf":
+        interop.load_into(model, interop.hf_reader_for(source, args))
+    elif fmt in ("torchtitan", "safetensors"):
+        interop.load_into(model, interop.WeightReader(source, args, "torchtitan" if fmt == "torchtitan" else "ours"))
+    else:
+        from meshforge.jax_bridge import load_pytree
+
+        params = load_pytree(source / "params" if (source / "params").is_dir() else source)
+        state = {k: interop.from_numpy(np.asarray(v)) for k, v in params.items()}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name not in state:
+                    raise KeyError(f"{name} is missing from the JAX pytree at {source}")
+                if tuple(state[name].shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: the pytree holds {tuple(state[name].shape)}, the recipe's model "
+                                     f"{tuple(p.shape)}; set model.* to match")
+                p.copy_(state[name])
+    model.init_buffers()
 
 
 def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> Path:

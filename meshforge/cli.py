@@ -203,21 +203,33 @@ def _set_aside_previous_run(recipe: Recipe) -> None:
 
 
 def _init(args) -> int:
+    """A seed checkpoint: the recipe's own initial weights, or (`meshforge import`) weights
+    read from an HF / TorchTitan / safetensors / JAX checkpoint into the recipe's model."""
     import torch
 
-    from meshforge.checkpoint import save_seed_checkpoint
+    from meshforge.checkpoint import import_weights, save_seed_checkpoint
     from meshforge.models import args_from_config, get_model_spec
 
     recipe_arg, overrides = _split_positionals(args.items)
     try:
-        recipe = load_recipe(recipe_arg, overrides, world_size=_world_size(args.nproc))
+        recipe = load_recipe(recipe_arg, overrides, world_size=_world_size(getattr(args, "nproc", None)))
     except RecipeError as e:
         _print_problems(e)
         return EXIT_BAD_RECIPE
     with torch.device("cpu"):
         model = get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
-    model.init_weights(seed=recipe.seed)
-    path = save_seed_checkpoint(model, Path(args.out), {"recipe": recipe_to_dict(recipe), "seed": recipe.seed})
+    meta = {"recipe": recipe_to_dict(recipe), "seed": recipe.seed}
+    source = getattr(args, "source", None)
+    if source is None:
+        model.init_weights(seed=recipe.seed)
+    else:
+        try:
+            import_weights(model, Path(source), args.fmt)
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+            return EXIT_BAD_RECIPE
+        meta.update(imported_from=str(source), format=args.fmt)
+    path = save_seed_checkpoint(model, Path(args.out), meta)
     console.print(f"seed checkpoint: {path}  (start any mesh from it with checkpoint.init_from={args.out})",
                   highlight=False)
     return 0
@@ -387,6 +399,12 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
     ini.add_argument("items", nargs="*", metavar="RECIPE|key=value")
     ini.add_argument("--out", required=True, help="folder for the seed checkpoint")
     ini.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    imp = sub.add_parser("import", help="weights from an HF/TorchTitan/safetensors/JAX checkpoint -> a seed "
+                                        "checkpoint of the recipe's model (then checkpoint.init_from=OUT)")
+    imp.add_argument("source", help="an HF folder, a safetensors folder, or an Orbax pytree folder")
+    imp.add_argument("--from", dest="fmt", choices=["hf", "torchtitan", "safetensors", "jax"], required=True)
+    imp.add_argument("items", nargs="*", metavar="RECIPE|key=value", help="the recipe whose model receives them")
+    imp.add_argument("--out", required=True, help="folder for the seed checkpoint")
     sw = sub.add_parser("sweep", help="try every valid mesh shape of a recipe; rank the layouts")
     sw.add_argument("items", nargs="*", metavar="RECIPE|key=value")
     sw.add_argument("--nproc", type=int, default=None, help=argparse.SUPPRESS)
@@ -425,6 +443,8 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         return run_recipe_main(argv[1:])
     if argv[:1] == ["init"]:  # options may come between the recipe and its overrides
         return _init(ini.parse_intermixed_args(argv[1:]))
+    if argv[:1] == ["import"]:
+        return _init(imp.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["pp-schedule"]:
         return _pp_schedule(pps.parse_intermixed_args(argv[1:]))
     if argv[:1] == ["estimate"]:

@@ -193,3 +193,99 @@ def to_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our names -> TorchTitan 0.3.0's (its state-dict hooks fuse q/k/v on load)."""
     return {re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", k).replace("output.", "lm_head."): v
             for k, v in state.items()}
+
+
+# --- lazy, sliced reads -----------------------------------------------------------------
+
+
+class WeightReader:
+    """Reads any slice of any parameter (our names) from a folder of safetensors files
+    without loading the rest: each rank (or JAX device) reads only its own shard.
+
+    `layout="hf"` reads an HF Llama folder: names are mapped, and wq/wk rows are
+    un-permuted, which needs whole heads, so those reads cover the heads the slice touches.
+    """
+
+    def __init__(self, folder: Path, args: LlamaArgs, layout: str = "hf"):
+        from safetensors import safe_open
+
+        self.args, self.layout = args, layout
+        self._files = [safe_open(str(f), framework="pt") for f in sorted(Path(folder).glob("*.safetensors"))]
+        self._where = {name: f for f in self._files for name in f.keys()}
+        if not self._where:
+            raise FileNotFoundError(f"no *.safetensors files in {folder}")
+
+    def source_name(self, name: str) -> str:
+        if self.layout == "torchtitan":
+            return next(iter(to_torchtitan({name: None})))
+        if self.layout != "hf":
+            return name
+        if name == "output.weight" and "lm_head.weight" not in self._where:
+            return "model.embed_tokens.weight"  # tied in the HF checkpoint
+        if name in _HF_TOP:
+            return _HF_TOP[name]
+        m = _LAYER_KEY.match(name)
+        return f"model.layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        src = self.source_name(name)
+        return tuple(self._where[src].get_slice(src).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """`name`'s values at `index` (a tuple of slices, step 1), in our layout."""
+        src = self.source_name(name)
+        sl = self._where[src].get_slice(src)
+        shape = sl.get_shape()
+        index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+        heads = {"attention.wq.weight": self.args.n_heads, "attention.wk.weight": self.args.kv_heads}
+        kind = next((k for k in heads if name.endswith(k)), None)
+        if self.layout != "hf" or kind is None:
+            return sl[index]
+        rows, cols = index
+        start, stop, _ = rows.indices(shape[0])
+        hd = shape[0] // heads[kind]
+        h0, h1 = start // hd, -(-stop // hd)  # the heads the rows touch
+        block = permute_from_hf(sl[h0 * hd:h1 * hd, cols], h1 - h0)
+        return block[start - h0 * hd:stop - h0 * hd]
+
+
+def load_into(model: torch.nn.Module, reader: WeightReader) -> None:
+    """Fill a materialised (possibly sharded) model from `reader`, each rank reading only
+    the slices it holds (DTensor local shards at their global offsets)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            expected = tuple(p.shape)
+            if reader.shape(name) != expected:
+                raise ValueError(f"{name}: the checkpoint holds {reader.shape(name)}, the recipe's model {expected}; "
+                                 "set model.* to the checkpoint's config")
+            if isinstance(p, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                p.to_local().copy_(reader.read(name, index))
+            else:
+                p.copy_(reader.read(name))
+
+
+def check_compatible(checkpoint_args: LlamaArgs, recipe_args: LlamaArgs) -> list[str]:
+    """What differs between a checkpoint's model and the recipe's (empty when they match)."""
+    keys = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps", "rope_theta",
+            "rope_scaling_factor", "tie_embeddings")
+    return [f"{k}: checkpoint {getattr(checkpoint_args, k)}, recipe {getattr(recipe_args, k)}"
+            for k in keys if getattr(checkpoint_args, k) != getattr(recipe_args, k)]
+
+
+def hf_reader_for(folder: Path, recipe_args: LlamaArgs) -> WeightReader:
+    """A reader of an HF Llama folder, after checking its config.json matches the recipe's model."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not an HF model folder (no config.json)")
+    hf_args = args_from_hf_config(json.loads((folder / "config.json").read_text()))
+    diff = check_compatible(hf_args, recipe_args)
+    if diff:
+        raise ValueError(f"the HF checkpoint {folder} does not match the recipe's model ("
+                         + "; ".join(diff) + "): pick the model.flavor of that checkpoint or set model.* to its "
+                                             "config.json")
+    return WeightReader(folder, recipe_args, "hf")

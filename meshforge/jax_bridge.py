@@ -94,6 +94,18 @@ def load_pytree(path) -> dict[str, jax.Array]:
         return _flatten(ckptr.restore(Path(path).absolute()))
 
 
+def read_sharded(reader, shardings: dict) -> dict[str, jax.Array]:
+    """Parameters placed straight from files: each device's shard is read on its own
+    (`jax.make_array_from_callback` + safetensors slices), so the host never holds a
+    whole model. `reader` is an interop.WeightReader; `shardings` maps names to
+    NamedShardings."""
+    def fetch(name):
+        return lambda index: to_numpy(reader.read(name, index))
+
+    return {name: jax.make_array_from_callback(reader.shape(name), sharding, fetch(name))
+            for name, sharding in shardings.items()}
+
+
 # --- shardings -------------------------------------------------------------------------
 
 

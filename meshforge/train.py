@@ -196,6 +196,12 @@ class Trainer:
             self.resumed = {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}
         elif c.init_from:
             self.checkpointer.load(resolve_load(c.init_from, Path(c.init_from)), model_only=True)
+        elif c.init_from_hf:
+            from meshforge.interop import hf_reader_for, load_into
+
+            reader = hf_reader_for(Path(c.init_from_hf), self.model_args)
+            for part in self.pmodel.parts:
+                load_into(part, reader)
 
     def save_checkpoint(self, step: int, run_id: str | None) -> None:
         self.checkpointer.save(step, {
