@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
+from conftest import QUICK, RECIPES, read_metrics, run_cli
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 THREE_D = ["mesh.dp_shard=2", "mesh.tp=2", "mesh.pp=2", "train.steps=3", "logging.tensorboard=true"]
