@@ -372,7 +372,10 @@ class Trainer:
         from meshforge.memtrace import make_tracker, peak_categories, save_breakdown
 
         tracker = make_tracker(self.pmodel.parts, self.optimizers)
-        with tracker:
+        # torch.compile cannot run under a dispatch mode: this one step runs eagerly (as the
+        # estimator traces it), so under compile the figures are the eager step's
+        eager = torch.compiler.set_stance("force_eager") if self.recipe.compile.enabled else contextlib.nullcontext()
+        with eager, tracker:
             out = self.train_step()
         reduced, per_rank = reduce_across_ranks(peak_categories(tracker), self.env.device, prefix="mem_breakdown/")
         self.state.memory_breakdown, self.state.memory_breakdown_step = per_rank, step
