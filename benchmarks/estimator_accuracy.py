@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 from meshforge.configs import load_recipe
 from meshforge.estimate import trace_pool, traced_estimate
+from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 0.05
 RECIPE = "debug_cpu"
@@ -66,16 +63,11 @@ def measure(worlds: list[int], overrides: list[str]) -> dict:
     worst = max(abs(r["error"]) for r in rows)
     return {
         "benchmark": "estimator_accuracy", "recipe": RECIPE, "target_abs_error": TARGET, "worst_abs_error": worst,
-        "met": worst <= TARGET, "rows": rows, "overrides": overrides,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%d"),
+        "met": worst <= TARGET, "rows": rows, "overrides": overrides, **provenance(),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "estimator_accuracy.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Memory estimator accuracy", "",
              f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; recipe "
              f"{result['recipe']} {' '.join(result['overrides'])}. Measured: MemTracker peak of tracked tensor "
@@ -86,8 +78,8 @@ def write(result: dict, out: Path) -> None:
         lines.append(f"| {r['world']} | {r['layout']} | {r['measured_bytes'] / 2**20:.3f} | {r['measured_rank']} | "
                      f"{r['estimated_bytes'] / 2**20:.3f} | {r['estimated_rank']} | {r['error']:+.1%} |")
     lines += ["", f"Worst |error| {result['worst_abs_error']:.1%} (target <= {result['target_abs_error']:.0%}): "
-                  f"{'met' if result['met'] else 'NOT met'}.", ""]
-    (out / "estimator_accuracy.md").write_text("\n".join(lines))
+                  f"{'met' if result['met'] else 'NOT met'}."]
+    save(out, "estimator_accuracy", result, lines)
 
 
 def main() -> None:

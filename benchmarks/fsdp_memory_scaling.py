@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+from recorded import provenance, save  # benchmarks/recorded.py
 
-import torch
 
 TARGET = 1.05
 # a model big enough that shard padding is a fair share, small enough for 8 CPU processes
@@ -51,16 +49,11 @@ def measure(degrees: list[int], overrides: list[str]) -> dict:
     worst = max(r["ratio_to_ideal"] for r in rows)
     return {
         "benchmark": "fsdp_memory_scaling", "target_ratio": TARGET, "worst_ratio": worst, "met": worst <= TARGET,
-        "rows": rows, "model_overrides": MODEL + overrides,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows, "model_overrides": MODEL + overrides, **provenance(),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fsdp_memory_scaling.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# FSDP memory scaling", "",
              f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
              f"model {' '.join(result['model_overrides'])}; fp32 params + AdamW moments (grads are freed "
@@ -70,8 +63,8 @@ def write(result: dict, out: Path) -> None:
         lines.append(f"| {r['dp_shard']} | {r['state_bytes_per_rank'] / 2**20:.3f} | {r['ideal_bytes'] / 2**20:.3f} "
                      f"| {r['ratio_to_ideal']:.3f} |")
     lines += ["", f"Worst ratio {result['worst_ratio']:.3f} (target <= {result['target_ratio']}): "
-                  f"{'met' if result['met'] else 'NOT met'}.", ""]
-    (out / "fsdp_memory_scaling.md").write_text("\n".join(lines))
+                  f"{'met' if result['met'] else 'NOT met'}."]
+    save(out, "fsdp_memory_scaling", result, lines)
 
 
 def main() -> None:

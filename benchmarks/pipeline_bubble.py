@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 from meshforge.configs import load_recipe
 from meshforge.pp_schedule import bubble_fraction, recipe_schedule_order
+from recorded import provenance, save  # benchmarks/recorded.py
 
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}  # schedule -> stages per rank
 MODEL = ["model.dim=256", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=2048",
@@ -61,16 +58,11 @@ def measure(pp: int, microbatches: int, schedules: list[str], steps: int, overri
                          "measured": measured, "step_time_s": t_pp, "gap": measured - bubble_fraction(order)})
     return {
         "benchmark": "pipeline_bubble", "pp": pp, "microbatches": microbatches, "one_rank_step_time_s": t1,
-        "rows": rows, "model_overrides": MODEL + overrides,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows, "model_overrides": MODEL + overrides, **provenance(),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline_bubble.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Pipeline bubble: measured vs theory", "",
              f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
              f"pp={result['pp']}, {result['microbatches']} microbatches, one CPU thread per rank; model "
@@ -80,8 +72,7 @@ def write(result: dict, out: Path) -> None:
     for r in result["rows"]:
         lines.append(f"| {r['schedule']} | {r['stages_per_rank']} | {r['theory']:.1%} | {r['measured']:.1%} | "
                      f"{r['gap']:+.1%} | {r['step_time_s']:.3f} |")
-    lines.append("")
-    (out / "pipeline_bubble.md").write_text("\n".join(lines))
+    save(out, "pipeline_bubble", result, lines)
 
 
 def main() -> None:

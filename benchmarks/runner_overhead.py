@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch.nn.functional as F
 
 from meshforge.configs import load_recipe
 from meshforge.train import Trainer, build_optimizer, lr_multiplier
+from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 1.03
 SINGLE = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "logging.wandb=false",
@@ -81,25 +80,20 @@ def measure(rounds: int, steps: int, overrides: list[str]) -> dict:
     return {
         "benchmark": "runner_overhead", "target_ratio": TARGET, "ratio": ratio, "met": ratio <= TARGET,
         "median_step_s": medians, "rounds": rounds, "steps_per_round": steps, "overrides": overrides,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(threads=torch.get_num_threads()),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "runner_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     m = result["median_step_s"]
-    (out / "runner_overhead.md").write_text(
-        "# Runner overhead\n\n"
+    save(out, "runner_overhead", result, [
+        "# Runner overhead", "",
         f"{result['date']}, {result['machine']['platform']}, {result['machine']['cpus']} CPUs, "
         f"torch {result['versions']['torch']}; {result['rounds']} alternating rounds x "
-        f"{result['steps_per_round']} steps, debug model, one process.\n\n"
-        "| loop | median step (ms) |\n|---|---|\n"
-        f"| bare PyTorch | {m['bare'] * 1e3:.2f} |\n| meshforge | {m['meshforge'] * 1e3:.2f} |\n\n"
-        f"Ratio {result['ratio']:.3f} (target <= {result['target_ratio']}): "
-        f"{'met' if result['met'] else 'NOT met'}.\n")
+        f"{result['steps_per_round']} steps, debug model, one process.", "",
+        "| loop | median step (ms) |", "|---|---|",
+        f"| bare PyTorch | {m['bare'] * 1e3:.2f} |", f"| meshforge | {m['meshforge'] * 1e3:.2f} |", "",
+        f"Ratio {result['ratio']:.3f} (target <= {result['target_ratio']}): {'met' if result['met'] else 'NOT met'}."])
 
 
 def main() -> None:

@@ -1,0 +1,27 @@
+"""What every benchmark records beside its numbers, and how it writes them (JSON + markdown)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def provenance(**machine_extra) -> dict:
+    """Machine, versions and date, so a recorded number says where it came from."""
+    return {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), **machine_extra},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def save(out: Path, name: str, result: dict, markdown: list[str]) -> None:
+    """`<out>/<name>.json` (the result) and `<out>/<name>.md` (the table a person reads)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text("\n".join(markdown) + "\n")
