@@ -129,6 +129,9 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
     points = sweep_points(world, sw.axes)
     console.print(f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
                   f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies)")
+    from meshforge.estimate import trace_pool, traced_estimate  # estimate imports this module
+
+    pool = trace_pool()  # estimate workers for the whole sweep (exiting also stops them)
     for i, pt in enumerate(points, 1):
         if done.get(pt.label, {}).get("status") in ("finished", "refused", "skipped"):
             console.print(f"[{i}/{len(points)}] {pt.label}: {done[pt.label]['status']} earlier, kept")
@@ -143,9 +146,11 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
             row.update(status="refused", error="; ".join(str(p) for p in e.problems))
             _append(record, row, console, i, len(points))
             continue
-        plan = make_plan(recipe)
-        row["estimate_gib"] = round(plan.bytes_per_rank / GiB, 3)
-        if sw.device_memory_gib is not None and plan.bytes_per_rank > sw.device_memory_gib * GiB:
+        # the traced estimate (heaviest rank, fake tensors) decides; the analytic one is kept beside it
+        estimate = traced_estimate(recipe, pool)["total"]
+        row["estimate_gib"], row["estimate_bytes"] = round(estimate / GiB, 3), estimate
+        row["analytic_gib"] = round(make_plan(recipe).bytes_per_rank / GiB, 3)
+        if sw.device_memory_gib is not None and estimate > sw.device_memory_gib * GiB:
             row.update(status="skipped", error=f"estimate {row['estimate_gib']} GiB > {sw.device_memory_gib} GiB")
             _append(record, row, console, i, len(points))
             continue
@@ -156,6 +161,7 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
         if status == "finished":
             row.update(_measure(sweep_dir / pt.label))
         _append(record, row, console, i, len(points))
+    pool.shutdown()
     rows = list(_read_rows(record).values())
     (console if console.is_terminal else Console(width=150)).print(summary_table(rows))
     for r in rows:

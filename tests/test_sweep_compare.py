@@ -66,6 +66,9 @@ def test_sweep_records_every_point(sweep):
     for r in finished:
         assert r["tokens_per_sec"] > 0 and r["peak_memory_max"] >= r["peak_memory_min"] > 0
         assert r["estimate_gib"] > 0 and r["final_loss"] > 0
+        # the traced estimate that decides skips: within 5% of the peak the point measured on step 2
+        per_rank = json.loads((sweep_dir / r["label"] / "run.json").read_text())["summary"]["memory_breakdown"]["per_rank"]
+        assert abs(r["estimate_bytes"] / max(p["total"] for p in per_rank) - 1) <= 0.05, r["label"]
         assert set(r["mesh"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
     best = max(finished, key=lambda r: r["tokens_per_sec"])
     assert f"fastest layout that fits: {best['label']}" in out
