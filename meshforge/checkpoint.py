@@ -262,6 +262,30 @@ def load_full_model(checkpoint: Path) -> tuple[nn.Module, object, dict]:
     return model, args, meta
 
 
+def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
+    """Fill `model` in place from a TorchTitan DCP checkpoint (its 0.3.0 or classic names,
+    flat or under "model."): DCP reads straight into our parameters, no second copy."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from meshforge.interop import from_torchtitan
+
+    ours = dict(model.named_parameters())
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    state = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        name = next(iter(from_torchtitan({key.removeprefix("model."): None})), None)
+        if name not in ours or not isinstance(meta, TensorStorageMetadata):
+            continue  # optimizer, dataloader, RoPE cache, ...
+        if tuple(meta.size) != tuple(ours[name].shape):
+            raise ValueError(f"{key}: the checkpoint holds {tuple(meta.size)}, the recipe's model "
+                             f"{tuple(ours[name].shape)}; set model.* to match")
+        state[key] = ours[name].data
+    missing = set(ours) - {next(iter(from_torchtitan({k.removeprefix("model."): None}))) for k in state}
+    if missing:
+        raise KeyError(f"the TorchTitan checkpoint {path} lacks {sorted(missing)[:4]}")
+    dcp_load(state, path)
+
+
 def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
     """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax
     (checking shapes, and for HF the config, against the model)."""
@@ -270,6 +294,8 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
     args = model.args
     if fmt == "hf":
         interop.load_into(model, interop.hf_reader_for(source, args))
+    elif fmt == "torchtitan" and (source / ".metadata").is_file():
+        load_torchtitan_dcp(model, source)
     elif fmt in ("torchtitan", "safetensors"):
         interop.load_into(model, interop.WeightReader(source, args, "torchtitan" if fmt == "torchtitan" else "ours"))
     else:
@@ -298,6 +324,7 @@ def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> P
 
     model, args, meta = load_full_model(checkpoint)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    del model  # `tensors` holds the only references: a consuming conversion frees as it goes
     if args.tie_embeddings:
         tensors.pop("output.weight")  # shared with tok_embeddings.weight; stored once
     out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +334,7 @@ def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> P
     if to == "jax":
         from meshforge.jax_bridge import save_pytree, state_to_pytree
 
-        save_pytree(state_to_pytree(tensors), out / "params")
+        save_pytree(state_to_pytree(tensors, consume=True), out / "params")
     else:
         if to == "torchtitan":
             tensors = interop.to_torchtitan(tensors)

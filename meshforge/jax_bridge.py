@@ -46,10 +46,14 @@ def to_torch(a: jax.Array) -> torch.Tensor:
 # --- weights ---------------------------------------------------------------------------
 
 
-def state_to_pytree(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, jax.Array]:
-    """A torch state dict -> the flat pytree models/llama_jax.py takes (copies, bit-exact)."""
+def state_to_pytree(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+                    consume: bool = False) -> dict[str, jax.Array]:
+    """A torch state dict -> the flat pytree models/llama_jax.py takes (copies, bit-exact).
+    consume=True empties `state` as it goes, so (with no other reference to the tensors)
+    the host holds one parameter twice at most, never the whole model."""
     out = {}
-    for name, t in state.items():
+    for name in list(state):
+        t = state.pop(name) if consume else state[name]
         if name == "freqs_cis":
             continue
         t = t.full_tensor() if hasattr(t, "full_tensor") else t

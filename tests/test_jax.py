@@ -325,3 +325,28 @@ def test_every_shard_of_an_8_rank_gloo_run_matches_its_jax_device(tmp_path):
     # and the JAX twin on those exported (trained) weights computes what torch computes
     proc = run_cli(["parity", str(ckpt)], cwd=tmp_path, program="meshforge")  # trained weights: no sharpening
     assert proc.returncode == 0 and "within targets" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_torchtitan_dcp_checkpoint_imports_into_the_recipe(tmp_path):
+    """TorchTitan 0.3.0's own model, saved with DCP as TorchTitan saves it (flat, 0.3.0 names),
+    imports into a recipe of the same shape with every weight equal."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.models.llama3 import llama3_configs
+
+    from meshforge.checkpoint import _single_process, load_full_model, resolve_load
+
+    titan = llama3_configs["debugmodel"](attn_backend="flex").build()
+    titan.init_states()
+    state = {k: v for k, v in titan.state_dict().items() if "rope.cache" not in k}
+    with _single_process():
+        dcp.save(state, checkpoint_id=str(tmp_path / "titan"))
+    size = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16", "model.vocab_size=2048",
+            "model.multiple_of=256", "model.max_seq_len=1024"]
+    proc = run_cli(["import", str(tmp_path / "titan"), "--from", "torchtitan", "debug_cpu", *size, "--out",
+                    str(tmp_path / "seed")], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model, _, _ = load_full_model(resolve_load(str(tmp_path / "seed"), tmp_path / "seed"))
+    ours = model.state_dict()
+    renamed = interop.from_torchtitan(state)
+    assert set(renamed) == set(ours) - {"freqs_cis"}
+    assert all(torch.equal(ours[k], renamed[k]) for k in renamed)
