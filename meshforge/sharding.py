@@ -22,11 +22,15 @@ from meshforge.parallelisms.mesh import Meshes
 
 
 def describe(param: torch.Tensor) -> str:
-    """'Shard(0),Shard(0) on (dp_shard,tp) local [64, 32] of [256, 32]' or 'local [64]'."""
+    """'_S(0, 2),S(0) on (dp_shard,tp) local [16, 64] of [64, 64] at [32, 0]' or 'local [64]'."""
     if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         dims = ",".join(param.device_mesh.mesh_dim_names or ())
         placements = ",".join(str(p) for p in param.placements)
-        return f"{placements} on ({dims}) local {list(param.to_local().shape)} of {list(param.shape)}"
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return (f"{placements} on ({dims}) local {list(param.to_local().shape)} of {list(param.shape)} "
+                f"at {list(offset)}")
     return f"local {list(param.shape)}"
 
 
@@ -62,9 +66,14 @@ def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
 
 
 def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
-    """rank -> (FQN -> placement) for every rank of the recipe's mesh."""
+    """rank -> (FQN -> placement) for every rank of the recipe's mesh, each rank simulated
+    in its own worker process (see rank_slices for why)."""
+    from meshforge.estimate import trace_pool
+
     world = ParallelDims.from_config(recipe.mesh).world_size
-    return {str(rank): rank_placements(recipe, rank) for rank in range(world)}
+    with trace_pool() as pool:
+        futures = {str(rank): pool.submit(rank_placements, recipe, rank) for rank in range(world)}
+        return {rank: f.result() for rank, f in futures.items()}
 
 
 def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:

@@ -43,4 +43,6 @@ def test_golden_files_show_the_3d_layout():
     assert debug["0"]["layers.0.attention.wq.weight"].startswith("stage 0: _S(0, 2),S(0) on (dp_shard,tp)")
     assert debug["7"]["output.weight"].startswith("stage 1:")
     one_b = json.loads((GOLDEN / "sharding_llm_1b.json").read_text())
-    assert one_b["3"]["tok_embeddings.weight"] == "S(0) on (dp_shard) local [16032, 2048] of [128256, 2048]"
+    assert one_b["3"]["tok_embeddings.weight"] == "S(0) on (dp_shard) local [16032, 2048] of [128256, 2048] at [48096, 0]"
+    # FSDP inside TP: rank 3 is (dp_shard 1, tp 1): the second quarter-row block of the second TP half
+    assert debug["3"]["layers.0.attention.wq.weight"].endswith("local [16, 64] of [64, 64] at [48, 0]")
