@@ -56,16 +56,16 @@ def _step_mem_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepMemTracker(MemTracker):
-        """MemTracker for a whole step: a module may run forward again (the next
-        microbatch). torch refuses that because its per-module statistics would mix
-        iterations; we only read the step's totals, so the module statistics restart."""
+        """MemTracker for a whole step: a top-level module may run forward again (the next
+        microbatch) before the earlier ones ran backward. torch refuses that because its
+        per-module statistics would mix microbatches; we read only the step's totals (kept
+        by the dispatch mode, not these hooks), so the repeat is let through unrecorded."""
 
         def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
             try:
                 super()._pre_fw_hook(module, inputs)
             except NotImplementedError:
-                self.reset_mod_stats()  # storages stay tracked; only per-module stats reset
-                super()._pre_fw_hook(module, inputs)
+                pass  # raised before any state changed; the module keeps its first stats
 
     return StepMemTracker
 

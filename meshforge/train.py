@@ -38,6 +38,7 @@ from meshforge.memory import model_state_tensors, rank_memory, reduce_across_ran
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import ParallelDims, materialize, parallelize
 from meshforge.parallelisms.fsdp import DTYPES
+from meshforge.configs.validate import ZERO_BUBBLE_SCHEDULES
 from meshforge.parallelisms.pp import build_schedule
 
 IGNORE_INDEX = -100
@@ -163,6 +164,11 @@ class Trainer:
         self.state = RunState(step=self.start_step)
         self._stop_requested = False
         self.phase = "setup"  # what the step is doing, for an out-of-memory report
+        self._breakdown_blocked = None
+        if self.dims.pp_enabled and r.pp.schedule in ZERO_BUBBLE_SCHEDULES:
+            self._breakdown_blocked = (
+                f"no memory-by-category step under {r.pp.schedule}: its split backward runs torch.autograd.grad, "
+                "which torch's MemTracker hooks cannot follow (meshforge estimate still traces it)")
 
     def _device_peak_flops(self) -> float | None:
         """Per-device peak: the GPU's datasheet number, or this CPU's measured matmul rate
@@ -303,7 +309,9 @@ class Trainer:
         try:
             for step in range(self.start_step + 1, r.train.steps + 1):
                 t0 = time.perf_counter()
-                tracked = step == r.logging.memory_breakdown_step
+                tracked = step == r.logging.memory_breakdown_step and self._breakdown_blocked is None
+                if step == r.logging.memory_breakdown_step and self._breakdown_blocked:
+                    console.note(self._breakdown_blocked)
                 out = self._tracked_step(step, loggers) if tracked else self.train_step()
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
