@@ -42,85 +42,100 @@ def parse_bytes(text: str) -> float:
 def trace_rank(recipe: Recipe, rank: int) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from meshforge.sharding import simulated_rank
-    from meshforge.train import build_optimizer, cross_entropy_sum
+    from meshforge.train import build_optimizer
 
-    r = recipe
-    args = args_from_config(r.model)
-    with simulated_rank(r, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
-        cpu = torch.device("cpu")
+    with simulated_rank(recipe, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
         for part in pmodel.parts:
-            part.to_empty(device=cpu)  # no weight init: values do not matter (and trunc_normal_ fails here)
-            part.init_buffers(cpu)
+            part.to_empty(device="cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
+            part.init_buffers(torch.device("cpu"))
             part.train()
         # foreach=False: foreach AdamW's batched temporaries would be counted all at once under fake tensors
-        optimizers = [build_optimizer(part.parameters(), r.optimizer, foreach=False) for part in pmodel.parts]
-        n_stages = dims.pp * r.pp.stages_per_rank
-        mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
-        n_micro = r.pp.microbatches if dims.pp_enabled else r.train.grad_accum_steps
-        sp = dims.tp_enabled and r.tp.sequence_parallel
-        boundary = (mb, r.train.seq_len // dims.tp if sp else r.train.seq_len, args.dim)
-        act_dtype = DTYPES[r.fsdp.param_dtype] if dims.fsdp_enabled else torch.float32
-        ctx = contextlib.ExitStack()
-        if dims.tp_enabled and r.tp.loss_parallel:
-            ctx.enter_context(loss_parallel())
-        if not dims.fsdp_enabled and act_dtype != torch.float32:
-            ctx.enter_context(torch.autocast("cpu", dtype=act_dtype))
-        stages = []
-        if dims.pp_enabled:  # the schedule's own action order, for the in-flight count below
-            from meshforge.parallelisms.pp import build_schedule
-            from meshforge.pp_schedule import pipeline_order
-
-            schedule = build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, r.pp, cpu, lambda x, y: x)
-            order = pipeline_order(schedule)
-            stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps one or a list
-        # steady state: AdamW's moments exist before the traced step, as on step 2 of a run
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if dims.pp_enabled:  # this rank's actions in the schedule's order: '1F0' = stage 1 forward of mb 0
-            from meshforge.pp_schedule import _parse
-
-            actions = [a for a in (map(_parse, order[rank_pp_coordinate(dims, rank)])) if a is not None]
-        else:  # microbatches one after another; the second backward finds every grad allocated
-            actions = [(0, kind, m) for m in range(min(n_micro, 2)) for kind in "FB"]
-        parts = dict(zip(pmodel.stage_ids, pmodel.parts))
+        optimizers = [build_optimizer(part.parameters(), recipe.optimizer, foreach=False) for part in pmodel.parts]
+        actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
+        _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         tracker = make_tracker(pmodel.parts, optimizers)
-        live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
-        with tracker, ctx:
-            for stage, kind, m in actions:
-                part = parts[stage]
-                if kind == "F":
-                    if stage == 0:
-                        x = torch.randint(0, args.vocab_size, (mb, r.train.seq_len))
-                    else:  # what the previous stage sends
-                        x = torch.empty(boundary, dtype=act_dtype, requires_grad=True)
-                    out = part(x)
-                    if stage == n_stages - 1:
-                        out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
-                    live[(stage, m)] = out
-                elif kind in "BI":  # a zero-bubble input-gradient half counted as the whole backward
-                    if dims.pp_enabled and isinstance(part, FSDPModule):
-                        # as torch's PipelineStage runs FSDP: no reduce-scatter and no reshard until the
-                        # step's last backward, so unsharded params and grads live across microbatches
-                        part.set_is_last_backward(False)
-                        part.set_reshard_after_backward(False)
-                        part.set_requires_gradient_sync(False)
-                    out = live.pop((stage, m))
-                    out.backward(None if out.dim() == 0 else torch.empty_like(out))
-                    del out
+        with tracker, _step_context(recipe, dims):
+            _run_actions(recipe, dims, pmodel, actions)
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return peak_categories(tracker)
+
+
+def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list[tuple[int, str, int]], list]:
+    """(stage, 'F'|'B'|'I'|'W', microbatch) in the order this rank runs them, and the torch
+    pipeline stages (for their final gradient reduction; none without pipelining)."""
+    if not dims.pp_enabled:  # microbatches one after another; the second backward finds every grad allocated
+        return [(0, kind, m) for m in range(min(recipe.train.grad_accum_steps, 2)) for kind in "FB"], []
+    from meshforge.parallelisms.pp import build_schedule
+    from meshforge.pp_schedule import parse_action, pipeline_order
+
+    schedule = build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"),
+                              lambda x, y: x)
+    mine = pipeline_order(schedule)[rank_pp_coordinate(dims, rank)]
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps a list, or one
+    return [a for a in map(parse_action, mine) if a is not None], stages
+
+
+def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Run one optimizer step on zero gradients, so AdamW's moments exist before the trace."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _step_context(recipe: Recipe, dims) -> contextlib.ExitStack:
+    """What the trainer's step runs under: loss parallel, and autocast without FSDP."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    ctx = contextlib.ExitStack()
+    if dims.tp_enabled and recipe.tp.loss_parallel:
+        ctx.enter_context(loss_parallel())
+    if not dims.fsdp_enabled and recipe.fsdp.param_dtype != "float32":
+        ctx.enter_context(torch.autocast("cpu", dtype=DTYPES[recipe.fsdp.param_dtype]))
+    return ctx
+
+
+def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]]) -> None:
+    """Forwards and backwards in the given order, each forward's output kept until its backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from meshforge.train import cross_entropy_sum
+
+    r, args = recipe, args_from_config(recipe.model)
+    last_stage = dims.pp * r.pp.stages_per_rank - 1
+    mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
+    sp = dims.tp_enabled and r.tp.sequence_parallel
+    boundary = (mb, r.train.seq_len // dims.tp if sp else r.train.seq_len, args.dim)  # what a stage sends
+    act_dtype = DTYPES[r.fsdp.param_dtype] if dims.fsdp_enabled else torch.float32
+    parts = dict(zip(pmodel.stage_ids, pmodel.parts))
+    live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
+    for stage, kind, m in actions:
+        part = parts[stage]
+        if kind == "F":
+            x = (torch.randint(0, args.vocab_size, (mb, r.train.seq_len)) if stage == 0
+                 else torch.empty(boundary, dtype=act_dtype, requires_grad=True))
+            out = part(x)
+            if stage == last_stage:
+                out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
+            live[(stage, m)] = out
+        elif kind in "BI":  # a zero-bubble input-gradient half counted as the whole backward
+            if dims.pp_enabled and isinstance(part, FSDPModule):
+                # as torch's PipelineStage runs FSDP: no reduce-scatter and no reshard until the
+                # step's last backward, so unsharded params and grads live across microbatches
+                part.set_is_last_backward(False)
+                part.set_reshard_after_backward(False)
+                part.set_requires_gradient_sync(False)
+            out = live.pop((stage, m))
+            out.backward(None if out.dim() == 0 else torch.empty_like(out))
+            del out
 
 
 def rank_pp_coordinate(dims, rank: int) -> int:

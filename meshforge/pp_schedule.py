@@ -54,7 +54,7 @@ def single_stage_actions(rank: int, stages: int, microbatches: int, gpipe: bool)
     return actions
 
 
-def _parse(action: str | None) -> tuple[int, str, int] | None:
+def parse_action(action: str | None) -> tuple[int, str, int] | None:
     """'3F1' -> (3, 'F', 1); None for idle and for non-compute actions (REDUCE_GRAD, ...)."""
     if action is None:
         return None
@@ -66,18 +66,18 @@ def _parse(action: str | None) -> tuple[int, str, int] | None:
 
 
 def _kind(action: str | None) -> str | None:
-    parsed = _parse(action)
+    parsed = parse_action(action)
     return parsed[1] if parsed else None
 
 
 def simulate(order: dict[int, list[str]]) -> dict[int, list[str | None]]:
     """Place each rank's compute actions on unit time steps, each waiting for its inputs."""
-    queues = {r: [a for a in actions if _parse(a)] for r, actions in order.items()}
-    last_stage = max(_parse(a)[0] for q in queues.values() for a in q)
+    queues = {r: [a for a in actions if parse_action(a)] for r, actions in order.items()}
+    last_stage = max(parse_action(a)[0] for q in queues.values() for a in q)
     done: set[tuple[str, int, int]] = set()
 
     def ready(action: str) -> bool:
-        stage, kind, mb = _parse(action)
+        stage, kind, mb = parse_action(action)
         if kind == "F":
             return stage == 0 or ("F", stage - 1, mb) in done
         if kind in "BI":
@@ -92,7 +92,7 @@ def simulate(order: dict[int, list[str]]) -> dict[int, list[str | None]]:
             raise RuntimeError("the pipeline schedule deadlocks: no rank can start its next action")
         for rank, action in zip(queues, started):
             timeline[rank].append(action)
-        done.update((k, s, m) for s, k, m in map(_parse, filter(None, started)))
+        done.update((k, s, m) for s, k, m in map(parse_action, filter(None, started)))
     return timeline
 
 
