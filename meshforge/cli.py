@@ -261,8 +261,11 @@ def _parity(args) -> int:
     try:
         ckpt = resolve_load(source, Path(source)) if Path(source).is_dir() else None
         recipe = load_recipe(source if ckpt is None else "debug_cpu", overrides, world_size=None)
-    except (RecipeError, FileNotFoundError) as e:
-        _print_problems(e) if isinstance(e, RecipeError) else err_console.print(f"[bold red]error:[/] {e}")
+    except RecipeError as e:
+        _print_problems(e)
+        return EXIT_BAD_RECIPE
+    except FileNotFoundError as e:
+        err_console.print(f"[bold red]error:[/] {source} is a folder but not a checkpoint: {e}", highlight=False)
         return EXIT_BAD_RECIPE
     if ckpt is not None:
         model, margs, _ = load_full_model(ckpt)
