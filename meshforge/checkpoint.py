@@ -20,7 +20,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -267,20 +266,21 @@ def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
     flat or under "model."): DCP reads straight into our parameters, no second copy."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from meshforge.interop import from_torchtitan
+    from meshforge.interop import name_from_torchtitan
 
     ours = dict(model.named_parameters())
     metadata = SafeFileSystemReader(str(path)).read_metadata()
-    state = {}
+    state, found = {}, set()
     for key, meta in metadata.state_dict_metadata.items():
-        name = next(iter(from_torchtitan({key.removeprefix("model."): None})), None)
+        name = name_from_torchtitan(key.removeprefix("model."))
         if name not in ours or not isinstance(meta, TensorStorageMetadata):
             continue  # optimizer, dataloader, RoPE cache, ...
         if tuple(meta.size) != tuple(ours[name].shape):
             raise ValueError(f"{key}: the checkpoint holds {tuple(meta.size)}, the recipe's model "
                              f"{tuple(ours[name].shape)}; set model.* to match")
         state[key] = ours[name].data
-    missing = set(ours) - {next(iter(from_torchtitan({k.removeprefix("model."): None}))) for k in state}
+        found.add(name)
+    missing = set(ours) - found
     if missing:
         raise KeyError(f"the TorchTitan checkpoint {path} lacks {sorted(missing)[:4]}")
     dcp_load(state, path)
@@ -301,16 +301,8 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
     else:
         from meshforge.jax_bridge import load_pytree
 
-        params = load_pytree(source / "params" if (source / "params").is_dir() else source)
-        state = {k: interop.from_numpy(np.asarray(v)) for k, v in params.items()}
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name not in state:
-                    raise KeyError(f"{name} is missing from the JAX pytree at {source}")
-                if tuple(state[name].shape) != tuple(p.shape):
-                    raise ValueError(f"{name}: the pytree holds {tuple(state[name].shape)}, the recipe's model "
-                                     f"{tuple(p.shape)}; set model.* to match")
-                p.copy_(state[name])
+        folder = source / "params" if (source / "params").is_dir() else source
+        interop.load_into(model, interop.ArrayReader(load_pytree(folder), f"the JAX pytree at {folder}"))
     model.init_buffers()
 
 

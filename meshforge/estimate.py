@@ -44,7 +44,7 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshforge.sharding import simulated_rank
-    from meshforge.train import build_optimizer
+    from meshforge.train import build_optimizer, step_context
 
     with simulated_rank(recipe, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
         for part in pmodel.parts:
@@ -56,7 +56,7 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         tracker = make_tracker(pmodel.parts, optimizers)
-        with tracker, _step_context(recipe, dims):
+        with tracker, step_context(recipe, dims, "cpu"):
             _run_actions(recipe, dims, pmodel, actions)
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
@@ -89,18 +89,6 @@ def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-
-
-def _step_context(recipe: Recipe, dims) -> contextlib.ExitStack:
-    """What the trainer's step runs under: loss parallel, and autocast without FSDP."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    ctx = contextlib.ExitStack()
-    if dims.tp_enabled and recipe.tp.loss_parallel:
-        ctx.enter_context(loss_parallel())
-    if not dims.fsdp_enabled and recipe.fsdp.param_dtype != "float32":
-        ctx.enter_context(torch.autocast("cpu", dtype=DTYPES[recipe.fsdp.param_dtype]))
-    return ctx
 
 
 def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]]) -> None:

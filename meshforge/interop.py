@@ -183,16 +183,24 @@ def load_hf(folder: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
 # --- TorchTitan -------------------------------------------------------------------------
 
 
+def name_from_torchtitan(name: str) -> str:
+    """A TorchTitan 0.3.0 name (attention.qkv_linear.wq, lm_head) -> the classic one we use."""
+    return name.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output.")
+
+
+def name_to_torchtitan(name: str) -> str:
+    """Our name -> TorchTitan 0.3.0's (its state-dict hooks fuse q/k/v on load)."""
+    return re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", name).replace("output.", "lm_head.")
+
+
 def from_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """TorchTitan 0.3.0 names (attention.qkv_linear.wq, lm_head) -> the classic ones we use."""
-    return {k.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output."): v
-            for k, v in state.items() if "rope.cache" not in k and k != "freqs_cis"}
+    """A TorchTitan state dict under our names (its RoPE cache dropped: we recompute it)."""
+    return {name_from_torchtitan(k): v for k, v in state.items() if "rope.cache" not in k and k != "freqs_cis"}
 
 
 def to_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> TorchTitan 0.3.0's (its state-dict hooks fuse q/k/v on load)."""
-    return {re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", k).replace("output.", "lm_head."): v
-            for k, v in state.items()}
+    """Our state dict under TorchTitan 0.3.0's names."""
+    return {name_to_torchtitan(k): v for k, v in state.items()}
 
 
 # --- lazy, sliced reads -----------------------------------------------------------------
@@ -217,7 +225,7 @@ class WeightReader:
 
     def source_name(self, name: str) -> str:
         if self.layout == "torchtitan":
-            return next(iter(to_torchtitan({name: None})))
+            return name_to_torchtitan(name)
         if self.layout != "hf":
             return name
         if name == "output.weight" and "lm_head.weight" not in self._where:
@@ -249,7 +257,23 @@ class WeightReader:
         return block[start - h0 * hd:stop - h0 * hd]
 
 
-def load_into(model: torch.nn.Module, reader: WeightReader) -> None:
+class ArrayReader:
+    """WeightReader's interface over arrays already in memory (a JAX pytree, numpy arrays)."""
+
+    def __init__(self, arrays: dict, where: str):
+        self.arrays, self.where = arrays, where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.arrays:
+            raise KeyError(f"{name} is missing from {self.where}")
+        return tuple(self.arrays[name].shape)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        a = self.arrays[name]
+        return from_numpy(np.asarray(a if index is None else a[index]))
+
+
+def load_into(model: torch.nn.Module, reader: WeightReader | ArrayReader) -> None:
     """Fill a materialised (possibly sharded) model from `reader`, each rank reading only
     the slices it holds (DTensor local shards at their global offsets)."""
     from torch.distributed.tensor import DTensor

@@ -1,9 +1,10 @@
 """Memory by category, from torch's own trackers, for a measured step and for an estimate.
 
 torch's `MemTracker` watches every tensor storage created under it and labels it
-(parameter, buffer, gradient, optimizer state, activation, temporary). They work on CPU tensors and on fake
-tensors alike, so the same code measures a real step (train.py) and traces one for
-`meshforge estimate` (estimate.py). We fold their labels into six categories.
+(parameter, buffer, gradient, optimizer state, activation, temporary). It works on CPU
+tensors and on fake tensors alike, so the same code measures a real step (train.py) and
+traces one for `meshforge estimate` (estimate.py). We fold its labels into six categories
+(`communication` is kept for FSDPMemTracker's labels, unused for now: see make_tracker).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 
@@ -52,35 +54,22 @@ def make_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     return tracker
 
 
-def _step_mem_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
+class StepMemTracker(MemTracker):
+    """MemTracker for a whole step: a top-level module may run forward again (the next
+    microbatch) before the earlier ones ran backward. torch refuses that because its
+    per-module statistics would mix microbatches; we read only the step's totals (kept
+    by the dispatch mode, not these hooks), so the repeat is let through unrecorded."""
 
-    class StepMemTracker(MemTracker):
-        """MemTracker for a whole step: a top-level module may run forward again (the next
-        microbatch) before the earlier ones ran backward. torch refuses that because its
-        per-module statistics would mix microbatches; we read only the step's totals (kept
-        by the dispatch mode, not these hooks), so the repeat is let through unrecorded."""
-
-        def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:
-                pass  # raised before any state changed; the module keeps its first stats
-
-    return StepMemTracker
-
-
-def StepMemTracker():  # noqa: N802 - torch is imported lazily; this builds the tracker
-    return _step_mem_tracker_class()()
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            pass  # raised before any state changed; the module keeps its first stats
 
 
 def peak_categories(tracker) -> dict[str, int]:
     """The categories at the tracker's peak (the moment its total was highest)."""
     return fold(tracker.get_tracker_snapshot("peak"))
-
-
-def current_total(tracker) -> int:
-    return fold(tracker.get_tracker_snapshot("current"))["total"]
 
 
 def breakdown_figure(per_rank: list[dict[str, float]], title: str):

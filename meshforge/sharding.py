@@ -21,17 +21,15 @@ from meshforge.parallelisms import ParallelDims, ParallelModel, parallelize
 from meshforge.parallelisms.mesh import Meshes
 
 
-def describe(param: torch.Tensor) -> str:
-    """'_S(0, 2),S(0) on (dp_shard,tp) local [16, 64] of [64, 64] at [32, 0]' or 'local [64]'."""
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        dims = ",".join(param.device_mesh.mesh_dim_names or ())
-        placements = ",".join(str(p) for p in param.placements)
-        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        return (f"{placements} on ({dims}) local {list(param.to_local().shape)} of {list(param.shape)} "
-                f"at {list(offset)}")
-    return f"local {list(param.shape)}"
+def describe(s: dict) -> str:
+    """A rank_slices entry as '_S(0, 2),S(0) on (dp_shard,tp) local [16, 64] of [64, 64] at
+    [32, 0]' (or 'local [64]' for a plain tensor), prefixed by 'stage N: ' under pipelining."""
+    text = f"local {list(s['shape'])}"
+    if s["placements"]:
+        placements = ",".join(str(p) for p in s["placements"])
+        text = (f"{placements} on ({','.join(s['mesh_dims'])}) {text} of {list(s['global_shape'])} "
+                f"at {list(s['offset'])}")
+    return text if s["stage"] is None else f"stage {s['stage']}: {text}"
 
 
 @contextlib.contextmanager
@@ -57,12 +55,7 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
 
 def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
     """Parameter FQN -> placement description, as rank `rank` of the recipe's mesh holds it."""
-    with simulated_rank(recipe, rank) as (dims, _, pmodel):
-        out = {}
-        for stage_id, part in zip(pmodel.stage_ids, pmodel.parts):
-            for fqn, p in part.named_parameters():
-                out[fqn] = f"stage {stage_id}: {describe(p)}" if dims.pp_enabled else describe(p)
-        return out
+    return {fqn: describe(s) for fqn, s in rank_slices(recipe, rank).items()}
 
 
 def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
@@ -78,20 +71,23 @@ def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
 
 def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:
     """Parameter FQN -> where rank `rank`'s local shard sits in the global tensor (offset,
-    shape) and the placements behind it. Run one rank per process (estimate.trace_pool):
-    torch caches sliced DeviceMeshes by layout, so a second simulated rank in the same
-    process would see the first one's coordinates."""
+    shape), the placements behind it, its pipeline stage (None without pipelining) and the
+    rank's mesh coordinate. Run one rank per process (estimate.trace_pool): torch caches
+    sliced DeviceMeshes by layout, so a second simulated rank in the same process would
+    see the first one's coordinates."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    with simulated_rank(recipe, rank) as (_, meshes, pmodel):
+    with simulated_rank(recipe, rank) as (dims, meshes, pmodel):
+        coordinate = tuple(meshes.root.get_coordinate())
         out = {}
-        for part in pmodel.parts:
+        for stage_id, part in zip(pmodel.stage_ids, pmodel.parts):
             for fqn, p in part.named_parameters():
-                if not isinstance(p, DTensor):
-                    out[fqn] = {"mesh_dims": (), "placements": (), "offset": (0,) * p.dim(), "shape": tuple(p.shape)}
-                    continue
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                out[fqn] = {"mesh_dims": p.device_mesh.mesh_dim_names, "placements": tuple(p.placements),
-                            "offset": tuple(offset), "shape": tuple(shape), "global_shape": tuple(p.shape),
-                            "coordinate": tuple(meshes.root.get_coordinate())}
+                s = {"stage": stage_id if dims.pp_enabled else None, "coordinate": coordinate,
+                     "mesh_dims": (), "placements": (), "offset": (0,) * p.dim(), "shape": tuple(p.shape),
+                     "global_shape": tuple(p.shape)}
+                if isinstance(p, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    s.update(mesh_dims=p.device_mesh.mesh_dim_names or (), placements=tuple(p.placements),
+                             offset=tuple(offset), shape=tuple(shape))
+                out[fqn] = s
         return out

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import meshforge
 from meshforge import distributed as mfdist
 from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.configs.validate import ZERO_BUBBLE_SCHEDULES
 from meshforge.checkpoint import Checkpointer, ModelState, OptimizerState, check_writable, resolve_load
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 from meshforge.console import RunConsole
@@ -38,7 +39,6 @@ from meshforge.memory import model_state_tensors, rank_memory, reduce_across_ran
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import ParallelDims, materialize, parallelize
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.configs.validate import ZERO_BUBBLE_SCHEDULES
 from meshforge.parallelisms.pp import build_schedule
 
 IGNORE_INDEX = -100
@@ -49,6 +49,17 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of token cross-entropies: the caller divides by the global count."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def step_context(recipe: Recipe, dims: ParallelDims, device_type: str) -> contextlib.ExitStack:
+    """What a training step's forward and backward run under: loss parallel (TP), and
+    autocast when reduced precision has no FSDP MixedPrecisionPolicy to carry it."""
+    stack = contextlib.ExitStack()
+    if dims.tp_enabled and recipe.tp.loss_parallel:
+        stack.enter_context(loss_parallel())
+    if not dims.fsdp_enabled and recipe.fsdp.param_dtype != "float32":
+        stack.enter_context(torch.autocast(device_type, dtype=DTYPES[recipe.fsdp.param_dtype]))
+    return stack
 
 
 def build_optimizer(params, cfg: OptimizerConfig, foreach: bool | None = None) -> torch.optim.Optimizer:
@@ -154,11 +165,8 @@ class Trainer:
         if self.dims.pp_enabled:
             self.schedule = build_schedule(self.pmodel.parts, self.pmodel.stage_ids, self.meshes.pp, r.pp,
                                            self.env.device, self._pipeline_loss)
-        self.use_loss_parallel = self.dims.tp_enabled and r.tp.loss_parallel
         self.run_dir = Path(r.output_dir) / r.run_name
         self._setup_checkpoints()
-        # without FSDP there is no MixedPrecisionPolicy: reduced precision means autocast
-        self.autocast_dtype = DTYPES[r.fsdp.param_dtype] if not self.dims.fsdp_enabled else torch.float32
         self.flops_per_token = flops_per_token(self.model_args, r.train.seq_len, self.n_params)
         self.peak_flops = self._device_peak_flops()
         self.state = RunState(step=self.start_step)
@@ -217,14 +225,6 @@ class Trainer:
 
     # --- one step -------------------------------------------------------------------
 
-    def _train_context(self):
-        stack = contextlib.ExitStack()
-        if self.use_loss_parallel:
-            stack.enter_context(loss_parallel())
-        if self.autocast_dtype != torch.float32:
-            stack.enter_context(torch.autocast(self.env.device.type, dtype=self.autocast_dtype))
-        return stack
-
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ce = cross_entropy_sum(logits, labels)
         self._ce_sums.append(ce.detach())
@@ -243,7 +243,7 @@ class Trainer:
         ce_total = torch.zeros((), device=env.device)
         for b in batches:
             inputs, labels = b.inputs.to(env.device), b.labels.to(env.device)
-            with self._train_context():
+            with step_context(r, self.dims, env.device.type):
                 if self.schedule is not None:
                     self.phase = "forward/backward (pipeline schedule)"
                     kwargs = {"target": labels, "losses": []} if self.has_last else {}

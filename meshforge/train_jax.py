@@ -35,7 +35,7 @@ from meshforge.jax_bridge import check_even, jax_mesh, placements_to_spec, state
 from meshforge.loggers import Loggers, write_json_atomic
 from meshforge.memory import rank_memory, reduce_across_ranks
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.models.llama_jax import forward
+from meshforge.models.llama_jax import token_ce_sum
 from meshforge.parallelisms import ParallelDims
 from meshforge.train import IGNORE_INDEX, RunState, Trainer, lr_multiplier
 
@@ -96,10 +96,7 @@ class JaxTrainer:
         args, max_norm = self.model_args, self.recipe.train.max_norm
 
         def ce_sum(p):
-            logp = jax.nn.log_softmax(forward(p, tokens, args), axis=-1)
-            mask = labels != IGNORE_INDEX
-            picked = jnp.take_along_axis(logp, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
-            return -jnp.sum(jnp.where(mask, picked, 0.0)), mask.sum()
+            return token_ce_sum(p, tokens, labels, args, IGNORE_INDEX)
 
         (total, n_tokens), grads = jax.value_and_grad(ce_sum, has_aux=True)(params)
         grads = jax.tree.map(lambda g: g / n_tokens, grads)

@@ -85,11 +85,18 @@ def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
     return linear(h, out).astype(jnp.float32)
 
 
-def loss_fn(params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs,
-            ignore_index: int = -100) -> jax.Array:
-    """Mean token cross-entropy over labels != ignore_index (the torch trainer's loss)."""
-    logits = forward(params, tokens, args)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+def token_ce_sum(params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs,
+                 ignore_index: int = -100) -> tuple[jax.Array, jax.Array]:
+    """Sum of token cross-entropies over labels != ignore_index, and how many tokens that is
+    (the torch trainer divides the sum by the global batch's token count)."""
+    logp = jax.nn.log_softmax(forward(params, tokens, args), axis=-1)
     mask = labels != ignore_index
     picked = jnp.take_along_axis(logp, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
-    return -jnp.sum(jnp.where(mask, picked, 0.0)) / jnp.maximum(mask.sum(), 1)
+    return -jnp.sum(jnp.where(mask, picked, 0.0)), mask.sum()
+
+
+def loss_fn(params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs,
+            ignore_index: int = -100) -> jax.Array:
+    """Mean token cross-entropy over labels != ignore_index."""
+    total, n = token_ce_sum(params, tokens, labels, args, ignore_index)
+    return total / jnp.maximum(n, 1)
