@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshforge.configs import load_recipe
-from meshforge.estimate import trace_pool, traced_estimate
+from meshforge.recipe import load_recipe
+from meshforge.simulate.estimate import trace_pool, traced_estimate
 from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 0.05

@@ -22,8 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshforge.configs import load_recipe
-from meshforge.pp_schedule import bubble_fraction, recipe_schedule_order
+from meshforge.recipe import load_recipe
+from meshforge.parallelisms.pp_actions import bubble_fraction
+from meshforge.simulate.schedule import recipe_schedule_order
 from recorded import provenance, save  # benchmarks/recorded.py
 
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}  # schedule -> stages per rank

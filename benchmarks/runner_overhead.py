@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from meshforge.configs import load_recipe
-from meshforge.train import Trainer, build_optimizer, lr_multiplier
+from meshforge.recipe import load_recipe
+from meshforge.run.optim import build_optimizer, lr_multiplier
+from meshforge.run.trainer import Trainer
 from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 1.03

@@ -1,7 +1,10 @@
-"""meshforge.configs: the recipe schema (dataclasses), loader and validation."""
+"""meshforge.configs: the recipe schema (dataclasses), the loader and the rules that need
+nothing but the recipe. Imports nothing of meshforge but meshforge.core."""
 
-from .loader import Problem, RecipeError, load_recipe, recipe_to_dict, resolve_recipe_path
+from meshforge.core.errors import Problem, RecipeError
+
+from .loader import embedded_recipes, load_config, recipe_to_dict, resolve_recipe_path
 from .schema import Recipe, field_doc, sections
 
-__all__ = ["Problem", "RecipeError", "Recipe", "load_recipe", "recipe_to_dict", "resolve_recipe_path",
-           "field_doc", "sections"]
+__all__ = ["Problem", "RecipeError", "Recipe", "embedded_recipes", "field_doc", "load_config", "recipe_to_dict",
+           "resolve_recipe_path", "sections"]

@@ -1,45 +1,26 @@
 """Recipe loading: TOML -> `extends` base -> dotted overrides -> OmegaConf structured merge.
 
 Every problem is collected before anything fails, so a user fixes a recipe in one pass:
-unknown keys come with "did you mean", wrong types with the expected type.
+unknown keys come with "did you mean", wrong types with the expected type. The rules that
+need a model family or the parallelisms are checked one layer up (meshforge.recipe).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import time
 import tomllib
 import typing
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
+from meshforge.core.errors import Problem, RecipeError
+
 from .schema import Recipe, sections
-
-
-@dataclass
-class Problem:
-    """One thing wrong with a recipe: the field, the value, and what to do."""
-
-    field: str
-    value: Any
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field} = {self.value!r}: {self.message}"
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot run, with every problem found."""
-
-    def __init__(self, problems: Sequence[Problem], source: str = "recipe"):
-        self.problems = list(problems)
-        self.source = source
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source}: {len(self.problems)} problem(s)\n{lines}")
 
 
 def embedded_recipes() -> dict[str, Path]:
@@ -71,9 +52,12 @@ def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
     if path in _seen:
         raise RecipeError([Problem("extends", str(path), "recipes extend each other in a cycle")], str(path))
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise RecipeError([Problem("toml", str(path), f"not valid TOML: {e}")], str(path)) from None
+    except UnicodeDecodeError as e:
+        raise RecipeError([Problem("toml", str(path), f"not UTF-8 text ({e.reason} at byte {e.start}): "
+                                                      "a recipe is a TOML text file")], str(path)) from None
     base_name = data.pop("extends", None)
     if base_name is None:
         return data
@@ -142,17 +126,9 @@ def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
         return [Problem(name, value, f"wrong type: expected {expected}")]
 
 
-def load_recipe(
-    path_or_name: str | Path | None,
-    overrides: Sequence[str] = (),
-    world_size: int | None = None,
-) -> Recipe:
-    """Load, merge and validate a recipe; -1 fields come back resolved for `world_size`.
-
-    Raises RecipeError listing every problem.
-    """
-    from .validate import resolve_and_validate
-
+def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) -> tuple[Recipe, Path]:
+    """The recipe file merged over the schema's defaults, with `overrides` applied, and its
+    path. Checks keys and types only; raises RecipeError listing every problem."""
     path = resolve_recipe_path(None if path_or_name is None else str(path_or_name))
     raw = read_toml(path)
     over, problems = parse_overrides(overrides)
@@ -162,13 +138,8 @@ def load_recipe(
         raise RecipeError(problems, str(path))
     recipe: Recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), raw))
     if recipe.run_name is None:
-        import time
-
         recipe.run_name = f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    problems = resolve_and_validate(recipe, world_size)
-    if problems:
-        raise RecipeError(problems, str(path))
-    return recipe
+    return recipe, path
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

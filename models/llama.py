@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.core.seeding import seeded_generator
+
 
 @dataclass
 class LlamaArgs:
@@ -160,7 +162,7 @@ class Transformer(nn.Module):
 
     def init_param(self, fqn: str, full: torch.Tensor, seed: int) -> None:
         """Fill `full` (the unsharded float32 value of parameter `fqn`) in place."""
-        param_init(self.args, fqn)(full, param_generator(seed, fqn))
+        param_init(self.args, fqn)(full, seeded_generator(seed, fqn))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -170,14 +172,6 @@ class Transformer(nn.Module):
             self.init_param(fqn, full, seed)
             param.copy_(full)
         self.init_buffers()
-
-
-def param_generator(seed: int, fqn: str) -> torch.Generator:
-    """A CPU generator per (seed, parameter name): values do not depend on the mesh,
-    the pipeline split, or the order parameters are visited in."""
-    import zlib
-
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
 
 
 def param_init(args: LlamaArgs, fqn: str) -> Callable[[torch.Tensor, torch.Generator], None]:

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig, FSDPConfig, PPConfig, TPConfig
+from meshforge.core.topology import ParallelDims
+from meshforge.models import ModelSpec
 
 from .ac import apply_ac
 from .compile import apply_compile
 from .fsdp import apply_fsdp
-from .mesh import Meshes, ParallelDims
+from .mesh import Meshes
 from .pp import pipeline_split
 from .tp import apply_tp
 
@@ -42,7 +44,7 @@ def parallelize(
     model: nn.Module,
     meshes: Meshes | None,
     dims: ParallelDims,
-    spec,
+    spec: ModelSpec,
     *,
     tp: TPConfig,
     pp: PPConfig,

@@ -8,6 +8,7 @@ off the first/last stage, tok_embeddings / norm+output set to None, so parameter
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Callable
 
@@ -15,18 +16,64 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
 from meshforge.configs.schema import PPConfig
+from meshforge.core.errors import Problem, nearest
+from meshforge.core.topology import divisors
 
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# The schedule families torch ships, by how stages sit on ranks
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # one stage per rank
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")  # looped virtual stages
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, first and last on rank 0
+# schedules that split backward into input- and weight-gradient passes
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
+
+
+def check_pipeline(cfg: PPConfig, pp: int, n_layers: int, local_batch: int) -> list[Problem]:
+    """The schedule's rules for `pp` ranks, `n_layers` layers and a local batch of
+    `local_batch` samples; resolves microbatches = -1 (one per stage) in place."""
+    if pp == 1:
+        return []
+    problems = []
+    stages = pp * cfg.stages_per_rank
+    if cfg.schedule in SINGLE_STAGE_SCHEDULES and cfg.stages_per_rank != 1:
+        problems.append(Problem("pp.stages_per_rank", cfg.stages_per_rank, f"{cfg.schedule} runs one stage per "
+                                "rank; set 1, or use Interleaved1F1B for virtual stages"))
+    if cfg.schedule in V_SCHEDULES and cfg.stages_per_rank != 2:
+        problems.append(Problem("pp.stages_per_rank", cfg.stages_per_rank,
+                                f"{cfg.schedule} is a V schedule: it needs exactly 2 stages per rank"))
+    if cfg.layers_per_stage is not None:
+        counts = cfg.layers_per_stage
+        if len(counts) != stages or sum(counts) != n_layers or min(counts) < 0:
+            problems.append(Problem("pp.layers_per_stage", counts, f"needs {stages} non-negative counts "
+                                    f"(pp x stages_per_rank) summing to n_layers={n_layers}"))
+    elif n_layers < stages:
+        problems.append(Problem("mesh.pp", pp, f"{stages} pipeline stages but only {n_layers} layers; "
+                                               f"valid pp x stages_per_rank <= {n_layers}"))
+    if cfg.microbatches == -1:
+        cfg.microbatches = stages
+    mb = cfg.microbatches
+    if mb < 1:
+        problems.append(Problem("pp.microbatches", mb, "must be >= 1"))
+    elif local_batch % mb:
+        problems.append(Problem("pp.microbatches", mb, f"must divide the local batch train.micro_batch_size="
+                                                       f"{local_batch}; valid: {nearest(mb, divisors(local_batch))}"))
+    if cfg.schedule == "DualPipeV" and mb < stages:
+        problems.append(Problem("pp.microbatches", mb, f"DualPipeV needs microbatches >= stages = pp x 2 = {stages}"))
+    elif cfg.schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble") and mb < pp:
+        problems.append(Problem("pp.microbatches", mb, f"{cfg.schedule} needs microbatches >= pp={pp}"))
+    if cfg.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and mb % pp:
+        problems.append(Problem("pp.microbatches", mb, f"{cfg.schedule} needs a multiple of pp={pp}"))
+    return problems
 
 
 def stage_layout(n_layers: int, n_stages: int, cfg: PPConfig) -> list[list[int]]:
     """Layer ids per stage: explicit `layers_per_stage`, else balanced with the embedding
     and output counted as `embedding_weight` / `output_weight` layers."""
     if cfg.layers_per_stage is not None:
-        bounds = [0, *itertools_accumulate(cfg.layers_per_stage)]
+        bounds = [0, *itertools.accumulate(cfg.layers_per_stage)]
         return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
     per_stage = (n_layers + cfg.embedding_weight + cfg.output_weight) / n_stages
     layout: list[list[int]] = [[] for _ in range(n_stages)]
@@ -34,14 +81,6 @@ def stage_layout(n_layers: int, n_stages: int, cfg: PPConfig) -> list[list[int]]
         center = cfg.embedding_weight + i + 0.5  # the layer's middle, in layer units
         layout[min(int(center // per_stage), n_stages - 1)].append(i)
     return layout
-
-
-def itertools_accumulate(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -66,7 +105,9 @@ def split_model(model: nn.Module, layers: list[int], is_first: bool, is_last: bo
     return stage
 
 
-def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, cfg: PPConfig) -> tuple[list[nn.Module], list[int], list[list[int]]]:
+def pipeline_split(
+    model: nn.Module, pp_mesh: DeviceMesh, cfg: PPConfig
+) -> tuple[list[nn.Module], list[int], list[list[int]]]:
     """This rank's stage modules, their stage ids, and the whole layout (for logging)."""
     pp = pp_mesh.size()
     n_stages = pp * cfg.stages_per_rank
@@ -77,9 +118,13 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, cfg: PPConfig) -> tupl
 
 
 def build_schedule(
-    parts: list[nn.Module], stage_ids: list[int], pp_mesh: DeviceMesh, cfg: PPConfig,
-    device: torch.device, loss_fn: Callable,
-):
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    pp_mesh: DeviceMesh,
+    cfg: PPConfig,
+    device: torch.device,
+    loss_fn: Callable,
+) -> _PipelineSchedule:
     """The torch schedule over this rank's stages. Gradients are not divided by the
     microbatch count (scale_grads=False): the loss is already normalised by the global
     number of target tokens, so summed microbatch gradients equal the 1-rank ones."""

@@ -7,9 +7,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshforge.configs.schema import TPConfig
+from meshforge.models import ModelSpec
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: TPConfig, spec) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: TPConfig, spec: ModelSpec) -> None:
     """Shard `model` (possibly one pipeline stage) over `tp_mesh` by `spec`'s plans."""
     top = spec.tp_top_level_plan(cfg.sequence_parallel, cfg.loss_parallel)
     # a pipeline stage may lack the embeddings or the head: plan only what is there

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshforge.checkpoint import committed, resolve_load
+from meshforge.run.checkpoint import committed, resolve_load
 
 from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
@@ -23,7 +23,7 @@ CKPT = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_lat
 # sitecustomize hooks, injected into every worker; RANK is read at call time
 KILL_RANK1_AT_STEP7 = """
 import os, signal
-import meshforge.train as t
+import meshforge.run.trainer as t
 original = t.Trainer.train_step
 def step(self):
     if os.environ.get("RANK") == "1" and self.state.step == 6:
@@ -32,7 +32,7 @@ def step(self):
 t.Trainer.train_step = step
 """
 NAN_AT_STEP4 = """
-import meshforge.train as t
+import meshforge.run.trainer as t
 original_step, original_ce = t.Trainer.train_step, t.cross_entropy_sum
 def step(self):
     t._current_step = self.state.step + 1
@@ -166,8 +166,8 @@ def test_seed_checkpoint_and_safetensors_export(tmp_path):
     equals one that initialised itself; `meshforge export` gives the trained weights unsharded."""
     from safetensors.torch import load_file
 
-    from meshforge.configs import load_recipe
-    from meshforge.train import Trainer
+    from meshforge.recipe import load_recipe
+    from meshforge.run.trainer import Trainer
 
     proc = run_cli(["init", str(RECIPES / "debug_cpu.toml"), "--out", str(tmp_path / "seed")], cwd=tmp_path,
                    program="meshforge")
@@ -199,7 +199,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path, monkeypatch):
     """DCP pickles its metadata; meshforge unpickles it through an allow-list."""
     import pickle
 
-    from meshforge.checkpoint import dcp_load
+    from meshforge.run.checkpoint import dcp_load
 
     monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "step-00000001"

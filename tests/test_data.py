@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshforge.configs.schema import DataConfig
-from meshforge.data import ByteTokenizer, MarkovSource, ShardedLoader, build_source
+from meshforge.run.data import ByteTokenizer, MarkovSource, ShardedLoader, build_source
 
 
 def test_markov_floor_is_the_true_models_cross_entropy():

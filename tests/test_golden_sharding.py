@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from meshforge.configs import load_recipe
-from meshforge.sharding import all_placements
+from meshforge.recipe import load_recipe
+from meshforge.simulate.sharding import all_placements
 
 from conftest import RECIPES
 

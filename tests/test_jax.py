@@ -18,7 +18,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from conftest import QUICK, RECIPES, run_cli  # noqa: E402
-from meshforge import interop, jax_bridge  # noqa: E402
+from meshforge.jax import bridge as jax_bridge  # noqa: E402
+from meshforge.models import llama_hf as interop  # noqa: E402
+from meshforge.run import weights  # noqa: E402
 from meshforge.models import llama_jax  # noqa: E402
 from meshforge.models.llama import LlamaArgs, Transformer  # noqa: E402
 
@@ -94,15 +96,15 @@ def test_hf_export_runs_in_transformers_with_the_same_logits(tmp_path):
 
 def test_bf16_and_torchtitan_round_trips_are_bit_exact():
     t = torch.randn(33, 7).to(torch.bfloat16)
-    a = interop.to_numpy(t)
-    assert a.dtype.name == "bfloat16" and torch.equal(interop.from_numpy(a), t)
+    a = weights.to_numpy(t)
+    assert a.dtype.name == "bfloat16" and torch.equal(weights.from_numpy(a), t)
     state = {k: v.to(torch.bfloat16) for k, v in sharp_model().state_dict().items() if k != "freqs_cis"}
     titan = interop.to_torchtitan(state)
     assert "layers.0.attention.qkv_linear.wq.weight" in titan and "lm_head.weight" in titan
     back = interop.from_torchtitan(titan)
     assert all(torch.equal(back[k], state[k]) for k in state)
     pytree = jax_bridge.state_to_pytree(state)
-    assert all(torch.equal(interop.from_numpy(np.asarray(pytree[k])), state[k]) for k in state)
+    assert all(torch.equal(weights.from_numpy(np.asarray(pytree[k])), state[k]) for k in state)
 
 
 def test_placements_map_to_partition_specs():
@@ -129,9 +131,9 @@ def test_fsdp_tp_shards_land_on_the_same_jax_devices():
     the NamedSharding derived from the placements."""
     from jax.sharding import NamedSharding
 
-    from meshforge.configs import load_recipe
-    from meshforge.estimate import trace_pool
-    from meshforge.sharding import rank_slices
+    from meshforge.recipe import load_recipe
+    from meshforge.simulate.estimate import trace_pool
+    from meshforge.simulate.sharding import rank_slices
 
     recipe = load_recipe(RECIPES / "debug_cpu.toml", ["mesh.dp_shard=4", "mesh.tp=2", "mesh.pp=1"])
     with trace_pool() as pool:
@@ -204,9 +206,10 @@ def test_jax_backend_refuses_pipeline_parallelism(tmp_path):
 def test_import_export_every_format_round_trips_bit_exactly(tmp_path):
     """A seed checkpoint exported to hf / torchtitan / safetensors / jax and imported back
     into the recipe's model gives the same weights, bit for bit."""
-    from meshforge.checkpoint import export_checkpoint, import_weights, load_full_model, resolve_load
+    from meshforge.convert import export_checkpoint, import_weights
+    from meshforge.run.checkpoint import load_full_model, resolve_load
     from meshforge.models import args_from_config, get_model_spec
-    from meshforge.configs import load_recipe
+    from meshforge.recipe import load_recipe
 
     assert run_cli(["init", "debug_cpu", "--out", str(tmp_path / "seed")], cwd=tmp_path,
                    program="meshforge").returncode == 0
@@ -258,7 +261,7 @@ def test_jax_devices_read_only_their_own_slices(tmp_path):
 
     model = sharp_model()
     interop.save_hf(model.state_dict(), ARGS, tmp_path / "hf")
-    reader = interop.WeightReader(tmp_path / "hf", ARGS, "hf")
+    reader = weights.WeightReader(tmp_path / "hf", ARGS, "hf")
     mesh = jax_bridge.jax_mesh({"dp_replicate": 1, "dp_shard": 4, "tp": 2})
     names = ["layers.0.attention.wq.weight", "layers.0.attention.wk.weight", "layers.1.feed_forward.w2.weight"]
     specs = [P(("tp", "dp_shard")), P(("tp", "dp_shard")), P("dp_shard", "tp")]
@@ -283,10 +286,10 @@ def test_every_shard_of_an_8_rank_gloo_run_matches_its_jax_device(tmp_path):
 
     from jax.sharding import NamedSharding
 
-    from meshforge.checkpoint import SafeFileSystemReader, resolve_load
-    from meshforge.configs import load_recipe
-    from meshforge.estimate import trace_pool
-    from meshforge.sharding import rank_slices
+    from meshforge.run.checkpoint import SafeFileSystemReader, resolve_load
+    from meshforge.recipe import load_recipe
+    from meshforge.simulate.estimate import trace_pool
+    from meshforge.simulate.sharding import rank_slices
 
     mesh_args = ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=2"]
     proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, *mesh_args, "train.steps=2", "checkpoint.enabled=true",
@@ -333,7 +336,7 @@ def test_a_torchtitan_dcp_checkpoint_imports_into_the_recipe(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torchtitan.models.llama3 import llama3_configs
 
-    from meshforge.checkpoint import _single_process, load_full_model, resolve_load
+    from meshforge.run.checkpoint import _single_process, load_full_model, resolve_load
 
     titan = llama3_configs["debugmodel"](attn_backend="flex").build()
     titan.init_states()

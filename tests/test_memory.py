@@ -50,8 +50,8 @@ def test_breakdown_per_rank_is_logged_tabled_and_drawn(three_d):
 
 def test_traced_estimate_is_within_5_percent_of_the_measured_peak(three_d):
     """The estimate traces one rank per pipeline stage on fake tensors; the run measured all 8."""
-    from meshforge.configs import load_recipe
-    from meshforge.estimate import trace_pool, traced_estimate
+    from meshforge.recipe import load_recipe
+    from meshforge.simulate.estimate import trace_pool, traced_estimate
 
     run_dir, _ = three_d
     per_rank = json.loads((run_dir / "run.json").read_text())["summary"]["memory_breakdown"]["per_rank"]
@@ -85,8 +85,9 @@ def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
 def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
     """An OOM on step 3 (simulated: CPU runs cannot hit CUDA's) ends the run non-zero with rank,
     phase and estimate, and leaves the steps before it on record."""
-    from meshforge.configs import load_recipe
-    from meshforge.train import OutOfMemory, Trainer
+    from meshforge.recipe import load_recipe
+    from meshforge.core.errors import OutOfMemory
+    from meshforge.run.trainer import Trainer
 
     recipe = load_recipe(RECIPES / "debug_cpu.toml", ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", *QUICK,
                                                       "train.steps=5", f"output_dir={tmp_path}", "run_name=oom"])

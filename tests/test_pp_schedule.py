@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from meshforge.configs import load_recipe
+from meshforge.recipe import load_recipe
 from meshforge.parallelisms.pp import bubble_fraction_gpipe
-from meshforge.pp_schedule import bubble_fraction, recipe_schedule_order, simulate, single_stage_actions
+from meshforge.parallelisms.pp_actions import bubble_fraction, simulate, single_stage_actions
+from meshforge.simulate.schedule import recipe_schedule_order
 
 from conftest import QUICK, RECIPES, read_metrics, run_cli
 

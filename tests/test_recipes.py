@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.configs import RecipeError, load_recipe
+from meshforge.configs import RecipeError
+from meshforge.recipe import load_recipe
 from meshforge.configs.schema import Recipe, field_doc, sections
 
 from conftest import RECIPES

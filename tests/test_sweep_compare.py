@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 
-from meshforge import compare
-from meshforge.sweep import mesh_shapes, sweep_points
+from meshforge.experiments import compare
+from meshforge.experiments.sweep import mesh_shapes, sweep_points
 
 from conftest import QUICK, RECIPES, cli_env, run_cli
 
 # the pp=4 point fails at its first step, on purpose: it must be recorded, not fatal
 FAIL_PP4 = """
-import meshforge.train as t
+import meshforge.run.trainer as t
 original = t.Trainer.train_step
 def step(self):
     if self.dims.pp == 4:

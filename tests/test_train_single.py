@@ -80,8 +80,8 @@ def test_terminal_shows_progress_and_summary(trained):
 
 
 def test_same_seed_same_losses_bit_for_bit(tmp_path):
-    from meshforge.configs import load_recipe
-    from meshforge.train import train
+    from meshforge.recipe import load_recipe
+    from meshforge.run.trainer import train
 
     common = [*SINGLE, "train.steps=5", f"output_dir={tmp_path}", "logging.tensorboard=false",
               "logging.wandb=false", "logging.progress=false"]
@@ -93,8 +93,8 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
 
 
 def test_bf16_autocast_trains_close_to_fp32(tmp_path):
-    from meshforge.configs import load_recipe
-    from meshforge.train import train
+    from meshforge.recipe import load_recipe
+    from meshforge.run.trainer import train
 
     common = [*SINGLE, "train.steps=5", f"output_dir={tmp_path}", "logging.tensorboard=false",
               "logging.wandb=false", "logging.progress=false"]

@@ -7,15 +7,20 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8 JAX devices.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import Mesh, PartitionSpec
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from meshforge.interop import to_numpy
+from meshforge.models import spec_of
+from meshforge.run.weights import to_numpy
 
 ZERO_COPY = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -82,18 +87,14 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 
 def save_pytree(params: dict[str, jax.Array], path) -> None:
     """An Orbax checkpoint of the pytree (nested by name: Orbax joins tree paths with dots)."""
-    import orbax.checkpoint as ocp
-    from pathlib import Path
-
+    import orbax.checkpoint as ocp  # slow to import: only when a pytree is saved
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(Path(path).absolute(), _nest(params))
 
 
 def load_pytree(path) -> dict[str, jax.Array]:
     """The flat pytree from save_pytree's Orbax checkpoint."""
-    import orbax.checkpoint as ocp
-    from pathlib import Path
-
+    import orbax.checkpoint as ocp  # slow to import: only when a pytree is loaded
     with ocp.StandardCheckpointer() as ckptr:
         return _flatten(ckptr.restore(Path(path).absolute()))
 
@@ -111,6 +112,11 @@ def read_sharded(reader, shardings: dict) -> dict[str, jax.Array]:
 
 
 # --- shardings -------------------------------------------------------------------------
+
+
+def jax_twin(args):
+    """The JAX twin module of the family whose args `args` are (models/spec.py)."""
+    return importlib.import_module(spec_of(args).jax_twin)
 
 
 def jax_mesh(degrees: dict[str, int], devices=None) -> Mesh:
@@ -131,9 +137,6 @@ def placements_to_spec(placements, mesh_dim_names: tuple[str, ...], ndim: int) -
     which shards *inside* the TP shard: (_StridedShard(0), Shard(0)) on (dp, tp) is
     P(("tp", "dp")), not P(("dp", "tp")). Partial placements have no PartitionSpec.
     """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     per_dim: list[list[str]] = [[] for _ in range(ndim)]
     strided: list[list[str]] = [[] for _ in range(ndim)]
     for axis, p in zip(mesh_dim_names, placements):
@@ -213,8 +216,7 @@ def run_parity(model: torch.nn.Module, args, tokens: torch.Tensor, dtype: str = 
                params: dict | None = None) -> Parity:
     """Logits of the torch model and of the JAX twin (on `params`, default: the model's own
     weights) for the same tokens, compared (both in `dtype`)."""
-    from meshforge.models.llama_jax import forward
-
+    forward = jax_twin(args).forward
     if dtype == "bfloat16":
         cast_params(model, torch.bfloat16)
     with torch.no_grad():

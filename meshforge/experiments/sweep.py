@@ -23,23 +23,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Recipe, RecipeError, load_recipe
-from meshforge.configs.validate import divisors
-from meshforge.parallelisms import ParallelDims
-from meshforge.plan import GiB, make_plan
-
-MESH_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
+from meshforge.configs import Recipe, RecipeError
+from meshforge.core.topology import ParallelDims
+from meshforge.core.units import GiB
+from meshforge.recipe import load_recipe
+from meshforge.run.loggers import wandb_mode
+from meshforge.run.plan import make_plan
+from meshforge.simulate.estimate import trace_pool, traced_estimate
 
 
 def mesh_shapes(world: int) -> list[dict[str, int]]:
-    """Every (dp_replicate, dp_shard, tp, pp) whose product is `world`."""
-    shapes = []
-    for rep in divisors(world):
-        for shard in divisors(world // rep):
-            for tp in divisors(world // (rep * shard)):
-                pp = world // (rep * shard * tp)
-                shapes.append({"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp})
-    return shapes
+    """Every mesh of `world` ranks, as {dim: degree} (ParallelDims.all_of_world)."""
+    return [dims.degrees for dims in ParallelDims.all_of_world(world)]
 
 
 def point_label(mesh: dict[str, int], policy: dict[str, str]) -> str:
@@ -129,8 +124,6 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
     points = sweep_points(world, sw.axes)
     console.print(f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
                   f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies)")
-    from meshforge.estimate import trace_pool, traced_estimate  # estimate imports this module
-
     pool = trace_pool()  # estimate workers for the whole sweep (exiting also stops them)
     for i, pt in enumerate(points, 1):
         if done.get(pt.label, {}).get("status") in ("finished", "refused", "skipped"):
@@ -178,7 +171,7 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
 
 def _mesh_for(world: int) -> list[str]:
     # the base recipe is validated on a 1-D mesh of `world`; each point sets its own
-    return ["mesh.dp_replicate=1", f"mesh.dp_shard={world}", "mesh.tp=1", "mesh.pp=1"]
+    return ParallelDims(dp_shard=world).overrides()
 
 
 def _append(record: Path, row: dict, console: Console, i: int, n: int) -> None:
@@ -213,17 +206,15 @@ def _log_wandb_table(base: Recipe, group: str, rows: list[dict]) -> None:
     """The sweep summary as a W&B Table in the sweep's group (offline without a key)."""
     if not base.logging.wandb:
         return
-    from meshforge.loggers import wandb_mode
-
     mode = wandb_mode(base.logging)
     if mode == "disabled":
         return
-    import wandb
+    import wandb  # slow to import: only when the sweep logs its table
 
     cols = ["label", "status", "dp_replicate", "dp_shard", "tp", "pp", "tokens_per_sec", "step_time", "final_loss"]
     table = wandb.Table(columns=cols)
     for r in rows:
-        table.add_data(r["label"], r["status"], *(r["mesh"][k] for k in MESH_KEYS),
+        table.add_data(r["label"], r["status"], *(r["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")),
                        r.get("tokens_per_sec"), r.get("step_time"), r.get("final_loss"))
     run = wandb.init(project=base.logging.wandb_project, entity=base.logging.wandb_entity, group=group,
                      name="sweep-summary", job_type="sweep-summary", mode=mode,

@@ -1,24 +1,18 @@
 """Every parameter's placement on every rank, computed without devices or training.
 
-Each rank is simulated in turn with torch's fake process group and a meta-device model,
-so an 8-GPU (or 64-GPU) recipe's sharding can be dumped on a laptop and diffed against
-a golden file: a changed plan shows up as a readable diff, not a surprise at scale.
+Each rank is simulated in its own worker (fake_rank.py), so an 8-GPU (or 64-GPU) recipe's
+sharding can be dumped on a laptop and diffed against a golden file: a changed plan shows
+up as a readable diff, not a surprise at scale.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from typing import Iterator
-
-import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshforge.configs import Recipe
-from meshforge.models import args_from_config, get_model_spec
-from meshforge.parallelisms import ParallelDims, ParallelModel, parallelize
-from meshforge.parallelisms.mesh import Meshes
+from meshforge.core.topology import ParallelDims
+from meshforge.simulate.fake_rank import simulated_rank, trace_pool
 
 
 def describe(s: dict) -> str:
@@ -32,27 +26,6 @@ def describe(s: dict) -> str:
     return text if s["stage"] is None else f"stage {s['stage']}: {text}"
 
 
-@contextlib.contextmanager
-def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Meshes, ParallelModel]]:
-    """Rank `rank` of the recipe's mesh, parallelized on the meta device under torch's fake
-    process group: shardings and schedules without devices, communication or memory."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dims = ParallelDims.from_config(recipe.mesh)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
-    try:
-        meshes = dims.build_mesh("cpu")
-        spec = get_model_spec(recipe.model.name)
-        with torch.device("meta"):
-            model = spec.build(args_from_config(recipe.model))
-        compile_off = dataclasses.replace(recipe.compile, enabled=False)  # shapes and plans do not depend on it
-        pmodel = parallelize(model, meshes, dims, spec, tp=recipe.tp, pp=recipe.pp,
-                             ac=recipe.activation_checkpoint, compile=compile_off, fsdp=recipe.fsdp)
-        yield dims, meshes, pmodel
-    finally:
-        dist.destroy_process_group()
-
-
 def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
     """Parameter FQN -> placement description, as rank `rank` of the recipe's mesh holds it."""
     return {fqn: describe(s) for fqn, s in rank_slices(recipe, rank).items()}
@@ -61,8 +34,6 @@ def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
 def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
     """rank -> (FQN -> placement) for every rank of the recipe's mesh, each rank simulated
     in its own worker process (see rank_slices for why)."""
-    from meshforge.estimate import trace_pool
-
     world = ParallelDims.from_config(recipe.mesh).world_size
     with trace_pool() as pool:
         futures = {str(rank): pool.submit(rank_placements, recipe, rank) for rank in range(world)}
@@ -72,11 +43,9 @@ def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
 def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:
     """Parameter FQN -> where rank `rank`'s local shard sits in the global tensor (offset,
     shape), the placements behind it, its pipeline stage (None without pipelining) and the
-    rank's mesh coordinate. Run one rank per process (estimate.trace_pool): torch caches
+    rank's mesh coordinate. Run one rank per process (trace_pool): torch caches
     sliced DeviceMeshes by layout, so a second simulated rank in the same process would
     see the first one's coordinates."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     with simulated_rank(recipe, rank) as (dims, meshes, pmodel):
         coordinate = tuple(meshes.root.get_coordinate())
         out = {}

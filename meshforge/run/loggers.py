@@ -16,13 +16,6 @@ from typing import Any
 from meshforge.configs.schema import LoggingConfig
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write via a temporary file + rename, so a killed run never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 class JSONLLogger:
     """`metrics.jsonl`: one JSON object per logged step, flushed line by line."""
 
@@ -129,6 +122,15 @@ class Loggers:
         metrics = {"time": time.time(), **metrics}
         for logger in self.all:
             logger.log(metrics)
+
+    def paths(self) -> dict[str, str]:
+        """Where each logger writes, for the run's summary."""
+        out = {}
+        if self.tensorboard is not None:
+            out["tensorboard"] = str(self.tensorboard.path)
+        if self.wandb is not None:
+            out["wandb"] = self.wandb.mode + (f": {self.wandb.path}" if self.wandb.path else "")
+        return out
 
     def log_figure(self, name: str, fig, step: int) -> None:
         """A matplotlib figure to TensorBoard and W&B (the caller saves the PNG in the run folder)."""

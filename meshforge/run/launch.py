@@ -6,9 +6,7 @@ the distributed engine and each of its workers calls `train` directly.
 
 from __future__ import annotations
 
-import json
 import socket
-import time
 import uuid
 from pathlib import Path
 
@@ -17,7 +15,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
-from meshforge.loggers import write_json_atomic
+from meshforge.core.errors import LaunchFailed
+from meshforge.run.record import mark_failed
+from meshforge.run.trainer import train
 
 
 def _free_port() -> int:
@@ -28,24 +28,7 @@ def _free_port() -> int:
 
 @record
 def _worker(recipe: Recipe) -> None:
-    from meshforge.train import train
-
     train(recipe)
-
-
-def _mark_failed(run_json: Path, error: str) -> None:
-    """Rank 0 may have been stopped mid-collective: the launcher closes the record for it."""
-    if not run_json.is_file():
-        return
-    info = json.loads(run_json.read_text())
-    if info.get("status") != "finished":
-        info.setdefault("end_time", time.time())
-        info.update(status="failed", error=error)  # the launcher knows which rank failed first
-        write_json_atomic(run_json, info)
-
-
-class LaunchFailed(RuntimeError):
-    """A rank failed; the message names it and carries its error."""
 
 
 def launch_local(recipe: Recipe, nproc: int) -> None:
@@ -67,6 +50,6 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     except ChildFailedError as e:
         first_rank, failure = e.get_first_failure()
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-        _mark_failed(log_dir.parent / "run.json", f"rank {first_rank}: {message or failure.exitcode}")
+        mark_failed(log_dir.parent / "run.json", f"rank {first_rank}: {message or failure.exitcode}")
         raise LaunchFailed(f"rank {first_rank} failed (exit code {failure.exitcode}): {message or 'see its log'}; "
                            f"logs in {log_dir}") from None

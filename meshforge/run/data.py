@@ -15,6 +15,8 @@ from typing import Protocol, Sequence
 import torch
 
 from meshforge.configs.schema import DataConfig
+from meshforge.core.errors import DataError, DataNotFound, MissingColumn
+from meshforge.core.seeding import seeded_generator
 
 
 class TokenSource(Protocol):
@@ -60,8 +62,7 @@ class MarkovSource:
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
         # one generator per sample: content depends only on (seed, global index)
         u = torch.stack([
-            torch.rand(self.seq_len + 1, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i),
-                       dtype=torch.float64)
+            torch.rand(self.seq_len + 1, generator=seeded_generator(self.seed, i), dtype=torch.float64)
             for i in indices
         ])  # (B, L+1)
         stationary_cdf = self.stationary.cumsum(0)
@@ -81,15 +82,14 @@ class TokenWindows:
         self.tokens, self.seq_len, self.seed = tokens.long(), seq_len, seed
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"{len(tokens)} tokens cannot fill one sample of seq_len={seq_len}+1; "
+            raise DataError(f"{len(tokens)} tokens cannot fill one sample of seq_len={seq_len}+1; "
                              "add data or lower train.seq_len")
         self._perms: dict[int, torch.Tensor] = {}
 
     def _window(self, index: int) -> int:
         epoch, i = divmod(index, self.n_windows)
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(self.n_windows, generator=g)}
+            self._perms = {epoch: torch.randperm(self.n_windows, generator=seeded_generator(self.seed, epoch))}
         return int(self._perms[epoch][i])
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
@@ -132,7 +132,7 @@ def build_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
     if not Path(spec).is_file():
-        raise FileNotFoundError(f"data.tokenizer = {spec!r}: no such tokenizer.json; use 'byte' or a local path")
+        raise DataNotFound(f"data.tokenizer = {spec!r}: no such tokenizer.json; use 'byte' or a local path")
     return HFTokenizer(spec)
 
 
@@ -142,7 +142,7 @@ def build_tokenizer(spec: str):
 def _expand(pattern: str) -> list[str]:
     files = sorted(glob.glob(pattern, recursive=True))
     if not files:
-        raise FileNotFoundError(f"data.path = {pattern!r} matches no files; check the glob")
+        raise DataNotFound(f"data.path = {pattern!r} matches no files; check the glob")
     return files
 
 
@@ -156,7 +156,7 @@ def _texts(cfg: DataConfig) -> list[str]:
     else:
         ds = datasets.load_dataset(cfg.hf_dataset, split="train")
     if cfg.text_column not in ds.column_names:
-        raise KeyError(f"data.text_column = {cfg.text_column!r} not in the dataset's columns {ds.column_names}")
+        raise MissingColumn(f"data.text_column = {cfg.text_column!r} not in the dataset's columns {ds.column_names}")
     return list(ds[cfg.text_column])
 
 
@@ -166,7 +166,7 @@ def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> TokenSource:
         return MarkovSource(vocab_size, seq_len, cfg.markov_branching, cfg.seed)
     tok = build_tokenizer(cfg.tokenizer)
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size = {vocab_size}; "
+        raise DataError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size = {vocab_size}; "
                          f"set model.vocab_size={tok.vocab_size}")
     ids = tok.encode("\n\n".join(_texts(cfg)))
     return TokenWindows(torch.tensor(ids, dtype=torch.long), seq_len, cfg.seed)

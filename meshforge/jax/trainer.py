@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -25,27 +24,27 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-import meshforge
 from meshforge.configs import Recipe, recipe_to_dict
-from meshforge.console import RunConsole
-from meshforge.data import ShardedLoader, build_source
-from meshforge.distributed import DistEnv
-from meshforge.flops import flops_per_token, measure_cpu_matmul_flops
-from meshforge.jax_bridge import check_even, jax_mesh, placements_to_spec, state_to_pytree
-from meshforge.loggers import Loggers, write_json_atomic
-from meshforge.memory import rank_memory, reduce_across_ranks
+from meshforge.core.errors import NonFiniteLoss
+from meshforge.core.topology import ParallelDims
+from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.models.llama_jax import token_ce_sum
-from meshforge.parallelisms import ParallelDims
-from meshforge.train import IGNORE_INDEX, RunState, Trainer, lr_multiplier
+from meshforge.run.console import Banner, RunConsole
+from meshforge.run.data import ShardedLoader, build_source, loss_floor
+from meshforge.run.distributed import DistEnv
+from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
+from meshforge.run.loggers import Loggers
+from meshforge.run.memory import rank_memory, reduce_across_ranks
+from meshforge.run.optim import lr_multiplier
+from meshforge.run.record import RunRecord, RunState, Throughput, summarize
+from meshforge.run.step import IGNORE_INDEX
+from meshforge.simulate.fake_rank import trace_pool
+from meshforge.simulate.sharding import rank_slices
 
 
 def torch_param_specs(recipe: Recipe) -> dict[str, PartitionSpec]:
     """Parameter name -> the PartitionSpec of the placements a torch run of the recipe uses
     (read off a simulated rank 0, in a fresh worker process)."""
-    from meshforge.estimate import trace_pool
-    from meshforge.sharding import rank_slices
-
     if ParallelDims.from_config(recipe.mesh).world_size == 1:
         return {}
     with trace_pool(1) as pool:
@@ -84,19 +83,21 @@ class JaxTrainer:
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
         self.source = build_source(r.data, args.vocab_size, r.train.seq_len)
         self.loader = ShardedLoader(self.source, r.train.global_batch_size, 1)
-        self.flops_per_token = flops_per_token(args, r.train.seq_len, self.n_params)
-        self.peak_flops = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None
+        peak = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None
+        self.throughput = Throughput(flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu")
         self.run_dir = Path(r.output_dir) / r.run_name
         self.state = RunState()
+        self._token_ce_sum = jax_twin(args).token_ce_sum
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
 
-    summary = Trainer.summary  # the same summary (reads state, flops, source, env) as the torch run
+    def summary(self) -> dict:
+        return summarize(self.state, self.throughput, loss_floor(self.source))
 
     def _train_step(self, params, opt_state, tokens, labels):
         args, max_norm = self.model_args, self.recipe.train.max_norm
 
         def ce_sum(p):
-            return token_ce_sum(p, tokens, labels, args, IGNORE_INDEX)
+            return self._token_ce_sum(p, tokens, labels, args, IGNORE_INDEX)
 
         (total, n_tokens), grads = jax.value_and_grad(ce_sum, has_aux=True)(params)
         grads = jax.tree.map(lambda g: g / n_tokens, grads)
@@ -119,18 +120,16 @@ class JaxTrainer:
     def run(self) -> RunState:
         r, st = self.recipe, self.state
         console = RunConsole(enabled=r.logging.progress)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        info = {"run_id": f"{r.run_name}-{uuid.uuid4().hex[:8]}", "run_name": r.run_name, "status": "running",
-                "backend": "jax", "start_time": time.time(), "recipe": recipe_to_dict(r), "mesh": self.dims.degrees,
-                "world_size": self.env.world_size, "device": jax.default_backend(), "n_params": self.n_params,
-                "param_specs": {k: str(s.spec) for k, s in self.shardings.items()},
-                "versions": {"meshforge": meshforge.__version__, "jax": jax.__version__, "optax": optax.__version__},
-                "records": {"metrics": str(self.run_dir / "metrics.jsonl")}}
-        write_json_atomic(self.run_dir / "run.json", info)
+        record = RunRecord(self.run_dir, r.run_name, {
+            "backend": "jax", "recipe": recipe_to_dict(r), "mesh": self.dims.degrees,
+            "world_size": self.env.world_size, "device": jax.default_backend(), "n_params": self.n_params,
+            "param_specs": {k: str(s.spec) for k, s in self.shardings.items()},
+            "versions": {"jax": jax.__version__, "optax": optax.__version__}})
         config = {**recipe_to_dict(r), **self.dims.degrees, "world_size": self.env.world_size,
                   "layout": self.dims.label(), "backend": "jax"}
-        loggers = Loggers(r.logging, self.run_dir, r.run_name, info["run_id"], config, console.console)
-        console.start(self, self.run_dir)
+        loggers = Loggers(r.logging, self.run_dir, r.run_name, record.run_id, config, console.console)
+        console.start(Banner(r.run_name, f"{r.model.name}/{r.model.flavor}", self.n_params, self.env.world_size,
+                             "cpu", self.dims.spelled(), r.train.steps, None, loss_floor(self.source)), self.run_dir)
         status = "failed"
         try:
             for step in range(1, r.train.steps + 1):
@@ -138,7 +137,7 @@ class JaxTrainer:
                 out = self.train_step(step)
                 dt = time.perf_counter() - t0
                 if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
-                    raise FloatingPointError(f"non-finite loss ({out['loss']}) at step {step} (backend=jax)")
+                    raise NonFiniteLoss(f"non-finite loss ({out['loss']}) at step {step} (backend=jax)")
                 st.step = step
                 st.losses.append(out["loss"])
                 st.tokens_per_sec.append(out["tokens"] / dt)
@@ -148,26 +147,21 @@ class JaxTrainer:
                     console.update(step, metrics)
             status = "finished"
         except BaseException as e:
-            info["error"] = f"{type(e).__name__}: {e}"
+            record.fail(e)
             raise
         finally:
             summary = self.summary()
-            info.update(status=status, end_time=time.time(), summary=summary)
-            write_json_atomic(self.run_dir / "run.json", info)
+            record.close(status, summary)
             loggers.close(summary)
-            console.finish(self, self.run_dir, loggers, status)
+            console.finish(r.run_name, status, summary, self.run_dir, "cpu", loggers.paths())
         return st
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
         state_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)) if hasattr(x, "nbytes"))
         mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state_bytes), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, []
-        tps = out["tokens"] / dt
-        perf = {"tflops_per_device": self.flops_per_token * tps / self.env.world_size / 1e12}
-        if self.peak_flops:
-            perf["mfu"] = perf["tflops_per_device"] * 1e12 / self.peak_flops
         return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
-                "tokens_per_sec": tps, "step_time": dt, **perf, **mem}
+                **self.throughput.rates(out["tokens"], dt), **mem}
 
 
 def train_jax(recipe: Recipe) -> RunState:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
+
+from meshforge.run.distributed import DistEnv
 
 # Dense peak TFLOP/s per device, by (name fragment, compute dtype). MFU is reported only
 # where the device is known; add yours here.
@@ -49,3 +52,14 @@ def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def device_peak_flops(env: DistEnv, param_dtype: str) -> float | None:
+    """Per-device peak: the GPU's datasheet number, or this CPU's measured matmul rate
+    (rank 0 measures once; every rank uses its figure)."""
+    if env.device.type == "cuda":
+        return gpu_peak_flops(env.device, "bfloat16" if param_dtype == "bfloat16" else "float32")
+    peak = torch.tensor(measure_cpu_matmul_flops() if env.is_main else 0.0, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.broadcast(peak, src=0)
+    return float(peak)

@@ -1,15 +1,34 @@
-"""The terminal: a rich progress bar (or plain lines when not on a TTY) and a summary table."""
+"""The terminal: a banner, a rich progress bar (or plain lines when not on a TTY) and a
+summary table. It is told what to show (plain values and the run's summary), never the
+trainer itself, so the torch and JAX trainers share it."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-GiB = 1024**3
+from meshforge.core.units import GiB, MiB
+from meshforge.run.memtrace import CATEGORIES
+
+
+@dataclass(frozen=True)
+class Banner:
+    """What the run is, for its first lines."""
+
+    run_name: str
+    model: str  # "llama3/debug"
+    n_params: int
+    world_size: int
+    device_type: str
+    mesh: str  # "pp=2, dp_replicate=1, ..."
+    total_steps: int
+    pipeline: str | None = None  # schedule and stage layout, when pipelined
+    loss_floor: float | None = None
 
 
 class RunConsole:
@@ -19,30 +38,27 @@ class RunConsole:
         self._progress: Progress | None = None
         self._task = None
         self._last_print = 0.0
+        self._total = 0
 
-    def start(self, trainer, run_dir: Path) -> None:
+    def start(self, b: Banner, run_dir: Path) -> None:
         if not self.enabled:
             return
-        r, d = trainer.recipe, trainer.dims
-        mesh = ", ".join(f"{k}={v}" for k, v in d.degrees.items())
-        self.console.print(f"[bold]meshforge[/] {r.run_name}: {r.model.name}/{r.model.flavor} "
-                           f"({trainer.n_params:,} params) on {trainer.env.world_size} x {trainer.env.device.type} [{mesh}]")
-        if d.pp_enabled:
-            stages = "; ".join(f"stage {s}: layers {l}" for s, l in enumerate(trainer.pmodel.layout))
-            self.console.print(f"pipeline {r.pp.schedule} x {r.pp.microbatches} microbatches: {stages}")
-        floor = trainer.summary().get("loss_floor")
-        if floor is not None:
-            self.console.print(f"synthetic source: loss floor (entropy rate) = {floor:.4f} nats/token")
+        self.console.print(f"[bold]meshforge[/] {b.run_name}: {b.model} ({b.n_params:,} params) on "
+                           f"{b.world_size} x {b.device_type} [{b.mesh}]")
+        if b.pipeline:
+            self.console.print(b.pipeline)
+        if b.loss_floor is not None:
+            self.console.print(f"synthetic source: loss floor (entropy rate) = {b.loss_floor:.4f} nats/token")
         self.console.print(f"records: {run_dir}")
+        self._total = b.total_steps
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                 TimeElapsedColumn(), console=self.console,
             )
-            self._task = self._progress.add_task("train", total=r.train.steps, loss="-", tps="-")
+            self._task = self._progress.add_task("train", total=b.total_steps, loss="-", tps="-")
             self._progress.start()
-        self._total = r.train.steps
 
     def update(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -60,13 +76,15 @@ class RunConsole:
         if self.enabled:
             self.console.print(f"[yellow]{text}[/]", highlight=False)
 
-    def finish(self, trainer, run_dir: Path, loggers, status: str) -> None:
+    def finish(self, run_name: str, status: str, summary: dict, run_dir: Path, device_type: str,
+               logger_paths: dict[str, str]) -> None:
+        """The summary table, then per-rank memory and memory by category when there are several ranks."""
         if not self.enabled:
             return
         if self._progress is not None:
             self._progress.stop()
-        s = trainer.summary()
-        table = Table(title=f"{trainer.recipe.run_name}: {status}", show_header=False)
+        s = summary
+        table = Table(title=f"{run_name}: {status}", show_header=False)
         table.add_column(style="bold")
         table.add_column()
         rows = [("steps", str(s["steps"]))]
@@ -76,26 +94,25 @@ class RunConsole:
             rows.append(("loss floor", f"{s['loss_floor']:.4f} (entropy of the synthetic source)"))
         if "tokens_per_sec" in s:
             rows.append(("tokens/s", f"{s['tokens_per_sec']:,.0f} (all ranks, after step 1)"))
-            peak = (f"MFU {s['mfu']:.1%} of {s['peak_tflops_per_device']:.3g} TFLOP/s "
-                    + ("(measured CPU matmul)" if trainer.env.device.type == "cpu" else "(datasheet)")) if "mfu" in s else ""
+            peak = ""
+            if "mfu" in s:
+                where = "(measured CPU matmul)" if device_type == "cpu" else "(datasheet)"
+                peak = f"MFU {s['mfu']:.1%} of {s['peak_tflops_per_device']:.3g} TFLOP/s {where}"
             rows.append(("TFLOP/s per device", f"{s['tflops_per_device']:.4g} {peak}"))
         if "peak_memory_bytes" in s:
-            which = "CUDA peak active" if trainer.env.device.type == "cuda" else "peak RSS"
+            which = "CUDA peak active" if device_type == "cuda" else "peak RSS"
             rows.append(("peak memory", f"{s['peak_memory_bytes'] / GiB:.2f} GiB ({which}, max over ranks)"))
         rows.append(("records", str(run_dir / "metrics.jsonl") + ", run.json"))
-        if loggers is not None and loggers.tensorboard is not None:
-            rows.append(("tensorboard", str(loggers.tensorboard.path)))
-        if loggers is not None and loggers.wandb is not None:
-            rows.append(("wandb", f"{loggers.wandb.mode}" + (f": {loggers.wandb.path}" if loggers.wandb.path else "")))
+        rows += list(logger_paths.items())
         for k, v in rows:
             table.add_row(k, v)
-        per_rank = trainer.state.per_rank_memory
         self.console.print(table)
+        per_rank = s.get("per_rank_memory", [])
         if len(per_rank) > 1:
             self.console.print(memory_table(per_rank))
-        if trainer.state.memory_breakdown:
-            self.console.print(breakdown_table(trainer.state.memory_breakdown, trainer.state.memory_breakdown_step,
-                                               run_dir / "memory_breakdown.png"))
+        if "memory_breakdown" in s:
+            b = s["memory_breakdown"]
+            self.console.print(breakdown_table(b["per_rank"], b["step"], run_dir / "memory_breakdown.png"))
 
 
 def memory_table(per_rank: list[dict]) -> Table:
@@ -106,18 +123,16 @@ def memory_table(per_rank: list[dict]) -> Table:
     for k in keys:
         table.add_column(k, justify="right")
     for rank, row in enumerate(per_rank):
-        table.add_row(str(rank), *(f"{row[k] / 2**20:,.1f}" for k in keys))
+        table.add_row(str(rank), *(f"{row[k] / MiB:,.1f}" for k in keys))
     return table
 
 
 def breakdown_table(per_rank: list[dict], step: int, picture: Path) -> Table:
     """Per-rank memory by category at the tracked step's peak (MiB)."""
-    from meshforge.memtrace import CATEGORIES
-
     table = Table(title=f"memory by category at the peak of step {step} (MiB, tracked tensors); {picture.name}")
     table.add_column("rank")
     for k in (*CATEGORIES, "total"):
         table.add_column(k, justify="right")
     for rank, row in enumerate(per_rank):
-        table.add_row(str(rank), *(f"{row[k] / 2**20:,.2f}" for k in (*CATEGORIES, "total")))
+        table.add_row(str(rank), *(f"{row[k] / MiB:,.2f}" for k in (*CATEGORIES, "total")))
     return table

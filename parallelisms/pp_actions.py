@@ -1,29 +1,23 @@
-"""Pipeline schedules as pictures: each rank's actions (F forward, B backward, I input-grad,
+"""What a pipeline schedule runs: each rank's actions (F forward, B backward, I input-grad,
 W weight-grad, idle) per time step, and the bubble fraction the schedule itself implies.
 
-The per-rank action order comes from torch's own schedule object, so the picture is the
-schedule that runs; the timing is simulated: every action takes one time step (F and B
-alike) and starts once what it needs is done (the previous stage's F, the next stage's
-B). The bubble of a real step also depends on how long each action takes, which the
-measured step time shows.
+The per-rank action order comes from torch's own schedule object, so it is the schedule
+that runs; the timing is simulated: every action takes one time step (F and B alike) and
+starts once what it needs is done (the previous stage's F, the next stage's B). The
+bubble of a real step also depends on how long each action takes, which the measured step
+time shows. run/figures.py draws it.
 """
 
 from __future__ import annotations
 
-import matplotlib
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, ScheduleGPipe
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-COMPUTE = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"}
+COMPUTE_KINDS = ("F", "B", "I", "W")
 
 
 def pipeline_order(schedule) -> dict[int, list[str | None]]:
     """rank -> the schedule's compute actions, as simulated time steps ('3F1' = stage 3,
     forward, microbatch 1; None = idle)."""
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, ScheduleGPipe
-
     if isinstance(schedule, PipelineScheduleSingle):
         # single-stage schedules run their loop directly; their IR (_get_pipeline_order) is
         # not what runs on torch 2.13 (its 1F1B drops the last stage's first forward)
@@ -60,12 +54,13 @@ def parse_action(action: str | None) -> tuple[int, str, int] | None:
         return None
     stage = action[: len(action) - len(action.lstrip("0123456789"))]
     rest = action[len(stage):]
-    if not stage or rest[:1] not in COMPUTE or not rest[1:].isdigit():
+    if not stage or rest[:1] not in COMPUTE_KINDS or not rest[1:].isdigit():
         return None
     return int(stage), rest[0], int(rest[1:])
 
 
-def _kind(action: str | None) -> str | None:
+def action_kind(action: str | None) -> str | None:
+    """'3F1' -> 'F'; None for idle and non-compute actions."""
     parsed = parse_action(action)
     return parsed[1] if parsed else None
 
@@ -98,42 +93,6 @@ def simulate(order: dict[int, list[str]]) -> dict[int, list[str | None]]:
 
 def bubble_fraction(order: dict[int, list[str | None]]) -> float:
     """Idle share of all ranks' time steps, from the first to the last compute action."""
-    span = max(i + 1 for actions in order.values() for i, a in enumerate(actions) if _kind(a))
-    busy = sum(1 for actions in order.values() for a in actions[:span] if _kind(a))
+    span = max(i + 1 for actions in order.values() for i, a in enumerate(actions) if action_kind(a))
+    busy = sum(1 for actions in order.values() for a in actions[:span] if action_kind(a))
     return 1 - busy / (span * len(order))
-
-
-def timeline(order: dict[int, list[str | None]], title: str):
-    """A Gantt-style figure: one row per rank, one cell per time step."""
-    span = max(i + 1 for actions in order.values() for i, a in enumerate(actions) if _kind(a))
-    fig, ax = plt.subplots(figsize=(max(6, span * 0.35), 0.6 * len(order) + 1.5))
-    for rank, actions in order.items():
-        for t, a in enumerate(actions[:span]):
-            kind = _kind(a)
-            if kind is None:
-                continue
-            ax.barh(rank, 1, left=t, color=COMPUTE[kind], edgecolor="white")
-            ax.text(t + 0.5, rank, a, ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(list(order), [f"rank {r}" for r in order])
-    ax.invert_yaxis()
-    ax.set_xlim(0, span)
-    ax.set_xlabel("time step")
-    ax.set_title(f"{title}: bubble {bubble_fraction(order):.1%}")
-    labels = {"F": "F forward", "B": "B / I backward (input)", "W": "W backward (weights)"}
-    ax.legend(handles=[Patch(color=COMPUTE[k], label=text) for k, text in labels.items()],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="x-small")
-    fig.tight_layout()
-    return fig
-
-
-def recipe_schedule_order(recipe) -> dict[int, list[str | None]]:
-    """The recipe's pipeline order without devices (rank 0 of a simulated mesh builds it;
-    every rank's schedule holds every rank's actions)."""
-    import torch
-
-    from meshforge.parallelisms.pp import build_schedule
-    from meshforge.sharding import simulated_rank
-
-    with simulated_rank(recipe, rank=0) as (_, meshes, pm):
-        schedule = build_schedule(pm.parts, pm.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x)
-        return pipeline_order(schedule)

@@ -66,3 +66,12 @@ def setup(device_request: str, cpu_threads: int = 0) -> DistEnv:
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_object(value):
+    """Rank 0's `value` on every rank (itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -3,13 +3,11 @@
 torch's `MemTracker` watches every tensor storage created under it and labels it
 (parameter, buffer, gradient, optimizer state, activation, temporary). It works on CPU
 tensors and on fake tensors alike, so the same code measures a real step (train.py) and
-traces one for `meshforge estimate` (estimate.py). We fold its labels into six categories
+traces one for `meshforge estimate` (simulate/estimate.py). We fold its labels into six categories
 (`communication` is kept for FSDPMemTracker's labels, unused for now: see make_tracker).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -70,30 +68,3 @@ class StepMemTracker(MemTracker):
 def peak_categories(tracker) -> dict[str, int]:
     """The categories at the tracker's peak (the moment its total was highest)."""
     return fold(tracker.get_tracker_snapshot("peak"))
-
-
-def breakdown_figure(per_rank: list[dict[str, float]], title: str):
-    """A stacked bar per rank: the categories at that rank's peak, in MiB."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
-    bottom = [0.0] * len(per_rank)
-    for cat in CATEGORIES:
-        values = [r.get(cat, 0) / 2**20 for r in per_rank]
-        ax.bar(range(len(per_rank)), values, bottom=bottom, label=cat)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xticks(range(len(per_rank)), [f"rank {i}" for i in range(len(per_rank))], rotation=45 if len(per_rank) > 8 else 0)
-    ax.set_ylabel("MiB at the step's peak")
-    ax.set_title(title)
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    return fig
-
-
-def save_breakdown(per_rank: list[dict[str, float]], path: Path, title: str):
-    fig = breakdown_figure(per_rank, title)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    return fig

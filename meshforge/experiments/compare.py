@@ -13,7 +13,8 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-GiB = 1024**3
+from meshforge.core.topology import ParallelDims  # noqa: E402
+from meshforge.core.units import GiB  # noqa: E402
 
 
 @dataclass
@@ -25,8 +26,6 @@ class Run:
 
     @property
     def layout(self) -> str:
-        from meshforge.parallelisms import ParallelDims
-
         return ParallelDims(**{k: self.info["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")}).label()
 
     @property

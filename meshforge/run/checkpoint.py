@@ -18,7 +18,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshforge.configs.schema import CheckpointConfig
+from meshforge.configs.schema import CheckpointConfig, ModelConfig
+from meshforge.core.errors import CheckpointError, CheckpointNotFound
+from meshforge.core.units import GiB
+from meshforge.models import args_from_config, get_model_spec
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -94,10 +97,6 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "refusing to load it (the file may be corrupt or malicious)")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded (corrupt, refused, or of another model)."""
-
-
 class SafeFileSystemReader(FileSystemReader):
     """DCP's reader, with its metadata unpickled by an allow-list instead of plain pickle."""
 
@@ -144,8 +143,8 @@ def resolve_load(spec: str, folder: Path) -> Path | None:
         return path
     found = committed(path)
     if not found:
-        raise FileNotFoundError(f"checkpoint.load = {spec!r}: no complete checkpoint there; "
-                                "use 'latest' or a step-NNNNNNNN folder with meta.json")
+        raise CheckpointNotFound(f"checkpoint.load = {spec!r}: no complete checkpoint there; "
+                                 "use 'latest' or a step-NNNNNNNN folder with meta.json")
     return found[-1]
 
 
@@ -161,12 +160,12 @@ def check_writable(folder: Path, need_bytes: float) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise OSError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
-                      "set checkpoint.folder to a writable path") from None
+        raise CheckpointError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
+                              "set checkpoint.folder to a writable path") from None
     free = shutil.disk_usage(folder).free
     if free < need_bytes:
-        raise OSError(f"checkpoint folder {folder} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
-                      f"{need_bytes / 2**30:.1f} GiB; free space or point checkpoint.folder elsewhere")
+        raise CheckpointError(f"checkpoint folder {folder} has {free / GiB:.1f} GiB free but one checkpoint needs "
+                              f"about {need_bytes / GiB:.1f} GiB; free space or point checkpoint.folder elsewhere")
 
 
 class Checkpointer:
@@ -179,6 +178,15 @@ class Checkpointer:
         # async saves run collectives from a thread: give them their own group, so they
         # never interleave with the training step's collectives on the default group
         self._pg = dist.new_group(backend="gloo") if (cfg.async_save and dist.is_initialized()) else None
+
+    def maybe_save(self, step: int, last: bool, stopping: bool, meta: Callable[[], dict]) -> bool:
+        """The checkpoint policy: save every `interval` steps, after the last step
+        (`save_at_end`), and when the run is stopping (a signal). True if it saved."""
+        c = self.cfg
+        if not c.enabled or not (step % c.interval == 0 or (last and c.save_at_end) or stopping):
+            return False
+        self.save(step, meta())
+        return True
 
     def save(self, step: int, meta: dict) -> None:
         self.wait()
@@ -249,87 +257,10 @@ def save_seed_checkpoint(model: nn.Module, out: Path, meta: dict) -> Path:
 
 def load_full_model(checkpoint: Path) -> tuple[nn.Module, object, dict]:
     """One process's unsharded model from any checkpoint (any mesh it was saved on), its
-    LlamaArgs and the checkpoint's meta."""
-    from meshforge.configs.schema import ModelConfig
-    from meshforge.models import args_from_config, get_model_spec
-
+    model args and the checkpoint's meta."""
     meta = read_meta(checkpoint)
     args = args_from_config(ModelConfig(**meta["recipe"]["model"]))
     model = get_model_spec(meta["recipe"]["model"]["name"]).build(args)
     model.init_buffers()
     dcp_load({"model": ModelState([model])}, checkpoint)
     return model, args, meta
-
-
-def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
-    """Fill `model` in place from a TorchTitan DCP checkpoint (its 0.3.0 or classic names,
-    flat or under "model."): DCP reads straight into our parameters, no second copy."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from meshforge.interop import name_from_torchtitan
-
-    ours = dict(model.named_parameters())
-    metadata = SafeFileSystemReader(str(path)).read_metadata()
-    state, found = {}, set()
-    for key, meta in metadata.state_dict_metadata.items():
-        name = name_from_torchtitan(key.removeprefix("model."))
-        if name not in ours or not isinstance(meta, TensorStorageMetadata):
-            continue  # optimizer, dataloader, RoPE cache, ...
-        if tuple(meta.size) != tuple(ours[name].shape):
-            raise ValueError(f"{key}: the checkpoint holds {tuple(meta.size)}, the recipe's model "
-                             f"{tuple(ours[name].shape)}; set model.* to match")
-        state[key] = ours[name].data
-        found.add(name)
-    missing = set(ours) - found
-    if missing:
-        raise KeyError(f"the TorchTitan checkpoint {path} lacks {sorted(missing)[:4]}")
-    dcp_load(state, path)
-
-
-def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
-    """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax
-    (checking shapes, and for HF the config, against the model)."""
-    from meshforge import interop
-
-    args = model.args
-    if fmt == "hf":
-        interop.load_into(model, interop.hf_reader_for(source, args))
-    elif fmt == "torchtitan" and (source / ".metadata").is_file():
-        load_torchtitan_dcp(model, source)
-    elif fmt in ("torchtitan", "safetensors"):
-        interop.load_into(model, interop.WeightReader(source, args, "torchtitan" if fmt == "torchtitan" else "ours"))
-    else:
-        from meshforge.jax_bridge import load_pytree
-
-        folder = source / "params" if (source / "params").is_dir() else source
-        interop.load_into(model, interop.ArrayReader(load_pytree(folder), f"the JAX pytree at {folder}"))
-    model.init_buffers()
-
-
-def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> Path:
-    """A checkpoint's model, unsharded, as `to`: safetensors (our names + config.json),
-    hf (an HF LlamaForCausalLM folder), torchtitan (its 0.3.0 names) or jax (an Orbax
-    checkpoint of the flat pytree models/llama_jax.py takes)."""
-    from safetensors.torch import save_file
-
-    from meshforge import interop
-
-    model, args, meta = load_full_model(checkpoint)
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    del model  # `tensors` holds the only references: a consuming conversion frees as it goes
-    if args.tie_embeddings:
-        tensors.pop("output.weight")  # shared with tok_embeddings.weight; stored once
-    out.mkdir(parents=True, exist_ok=True)
-    if to == "hf":
-        interop.save_hf(tensors, args, out)
-        return out / "model.safetensors"
-    if to == "jax":
-        from meshforge.jax_bridge import save_pytree, state_to_pytree
-
-        save_pytree(state_to_pytree(tensors, consume=True), out / "params")
-    else:
-        if to == "torchtitan":
-            tensors = interop.to_torchtitan(tensors)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])})
-    (out / "config.json").write_text(json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1))
-    return out / ("params" if to == "jax" else "model.safetensors")

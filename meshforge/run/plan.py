@@ -9,11 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from meshforge.configs import Recipe
+from meshforge.core.topology import ParallelDims
+from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.parallelisms import ParallelDims
 from meshforge.parallelisms.pp import stage_layout
-
-GiB = 1024**3
 
 
 @dataclass
@@ -87,7 +86,7 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_machine(r: Recipe, plan: Plan, device_type: str, launching_locally: bool) -> list[str]:
+def check_machine(plan: Plan, device_type: str, launching_locally: bool) -> list[str]:
     """What this machine lacks for the recipe; empty if it can start."""
     problems = []
     world = plan.dims.world_size

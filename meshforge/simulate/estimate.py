@@ -12,7 +12,7 @@ in flight are alive at once, and FSDP is driven as torch's PipelineStage drives 
 Measured against real runs by benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
-moments) over the sharding, plus Korthikanti et al. 2022 activations (plan.py).
+moments) over the sharding, plus Korthikanti et al. 2022 activations (run/plan.py).
 """
 
 from __future__ import annotations
@@ -20,32 +20,28 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from rich.console import Console
 from rich.table import Table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 
-from meshforge.configs import Recipe, RecipeError, load_recipe
+from meshforge.configs import Recipe, RecipeError
+from meshforge.core.topology import ParallelDims
+from meshforge.core.units import GiB
 from meshforge.models import args_from_config
-from meshforge.memtrace import CATEGORIES, make_tracker, peak_categories
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.plan import GiB, make_plan
-from meshforge.sweep import mesh_shapes, point_label
-
-
-def parse_bytes(text: str) -> float:
-    """'80GiB', '80GB', '80' (GiB) -> bytes."""
-    t = text.strip().lower().replace(" ", "")
-    for suffix, scale in (("gib", GiB), ("gb", 1e9), ("mib", 2**20), ("mb", 1e6), ("tib", 2**40)):
-        if t.endswith(suffix):
-            return float(t[: -len(suffix)]) * scale
-    return float(t) * GiB
+from meshforge.parallelisms.pp import build_schedule
+from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
+from meshforge.recipe import load_recipe
+from meshforge.run.memtrace import CATEGORIES, make_tracker, peak_categories
+from meshforge.run.optim import build_optimizer
+from meshforge.run.plan import make_plan
+from meshforge.run.step import StepPolicy, cross_entropy_sum
+from meshforge.simulate.fake_rank import simulated_rank, trace_pool
 
 
 def trace_rank(recipe: Recipe, rank: int) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from meshforge.sharding import simulated_rank
-    from meshforge.train import build_optimizer, step_context
-
     with simulated_rank(recipe, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
         for part in pmodel.parts:
             part.to_empty(device="cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
@@ -56,7 +52,7 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         tracker = make_tracker(pmodel.parts, optimizers)
-        with tracker, step_context(recipe, dims, "cpu"):
+        with tracker, StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"):
             _run_actions(recipe, dims, pmodel, actions)
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
@@ -71,12 +67,9 @@ def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list
     pipeline stages (for their final gradient reduction; none without pipelining)."""
     if not dims.pp_enabled:  # microbatches one after another; the second backward finds every grad allocated
         return [(0, kind, m) for m in range(min(recipe.train.grad_accum_steps, 2)) for kind in "FB"], []
-    from meshforge.parallelisms.pp import build_schedule
-    from meshforge.pp_schedule import parse_action, pipeline_order
-
     schedule = build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"),
                               lambda x, y: x)
-    mine = pipeline_order(schedule)[rank_pp_coordinate(dims, rank)]
+    mine = pipeline_order(schedule)[dims.coordinate(rank)["pp"]]
     stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps a list, or one
     return [a for a in map(parse_action, mine) if a is not None], stages
 
@@ -93,10 +86,6 @@ def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]]) -> None:
     """Forwards and backwards in the given order, each forward's output kept until its backward."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from meshforge.train import cross_entropy_sum
-
     r, args = recipe, args_from_config(recipe.model)
     last_stage = dims.pp * r.pp.stages_per_rank - 1
     mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
@@ -126,26 +115,13 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
             del out
 
 
-def rank_pp_coordinate(dims, rank: int) -> int:
-    """The pipeline rank of global rank `rank` (pp is the outermost mesh dimension)."""
-    return rank // (dims.world_size // dims.pp)
-
-
-def role_ranks(dims) -> list[int]:
-    """One global rank per pipeline stage (coordinate 0 on every other dimension)."""
-    inner = dims.world_size // dims.pp
-    return [p * inner for p in range(dims.pp)]
-
-
 def traced_estimate(recipe: Recipe, pool=None) -> dict:
     """The heaviest role's categories, with `rank` saying which global rank it is."""
     return _heaviest(_submit_roles(recipe, pool))
 
 
 def _submit_roles(recipe: Recipe, pool) -> list:
-    from meshforge.parallelisms import ParallelDims
-
-    ranks = role_ranks(ParallelDims.from_config(recipe.mesh))
+    ranks = ParallelDims.from_config(recipe.mesh).role_ranks()
     if pool is None:
         return [(rank, trace_rank(recipe, rank)) for rank in ranks]
     return [(rank, pool.submit(trace_rank, recipe, rank)) for rank in ranks]
@@ -156,38 +132,22 @@ def _heaviest(results: list) -> dict:
     return max(per_role, key=lambda p: p["total"])
 
 
-def trace_pool(workers: int | None = None):
-    """Worker processes, one trace per process: each simulation starts from a clean process
-    (torch caches DTensor plans by mesh layout, which simulated ranks share). Workers fork
-    from a server that imported torch once, so a trace does not pay for the import."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["meshforge.estimate", "meshforge.train", "meshforge.sharding"])
-    workers = workers or max(1, min(4, len(os.sched_getaffinity(0))))
-    return ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1)
-
-
 def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes: bool,
                   traced: bool = True) -> list[dict]:
     """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
-    meshes = mesh_shapes(world) if all_meshes else [None]
+    meshes = ParallelDims.all_of_world(world) if all_meshes else [None]
     rows, pending = [], []
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(trace_pool()) if traced else None
         for mesh in meshes:
-            extra = [f"mesh.{k}={v}" for k, v in mesh.items()] if mesh else []
+            extra = mesh.overrides() if mesh else []
             try:
                 recipe = load_recipe(recipe_path, [*overrides, *extra], world_size=world)
             except RecipeError as e:
-                rows.append({"layout": point_label(mesh, {}) if mesh else "recipe", "refused": str(e.problems[0])})
+                rows.append({"layout": mesh.label() if mesh else "recipe", "refused": str(e.problems[0])})
                 continue
             plan = make_plan(recipe)
-            d = recipe.mesh
-            row = {"layout": point_label({"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-                                          "pp": d.pp}, {}),
+            row = {"layout": plan.dims.label(),
                    "analytic": {"states": plan.state_bytes_per_rank, "activations": plan.activation_bytes_per_rank,
                                 "total": plan.bytes_per_rank}}
             rows.append(row)
@@ -236,3 +196,13 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
 def estimate_refusals(rows: list[dict]) -> list[str]:
     """One line per refused layout: why validation refuses it."""
     return [f"{r['layout']}: refused: {r['refused']}" for r in rows if "refused" in r]
+
+
+def print_estimate(recipe_path: str, overrides: list[str], world: int, all_meshes: bool, analytic: bool,
+                   device_memory: float | None, console: Console) -> None:
+    """`meshforge estimate`: the table (wide when not on a terminal) and the refused layouts."""
+    rows = estimate_rows(recipe_path, overrides, world, all_meshes, traced=not analytic)
+    out = console if console.is_terminal else Console(width=160)
+    out.print(estimate_table(rows, device_memory))
+    for line in estimate_refusals(rows):
+        out.print(line, highlight=False, soft_wrap=True)

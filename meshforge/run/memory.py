@@ -7,13 +7,17 @@ bytes held by the model's state tensors (parameters, gradients, optimizer state)
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from meshforge.core.units import GiB
 
 
 def _rss_bytes() -> int:
@@ -100,9 +104,6 @@ def dump_oom(run_dir, rank: int, device: torch.device, step: int, phase: str, es
              error: BaseException) -> dict:
     """Write `oom-rank<r>.json` (and on CUDA the allocator snapshot `oom-rank<r>.pickle`,
     loadable at pytorch.org/memory_viz) and return the report with a message for the user."""
-    import json
-    from pathlib import Path
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     report = {"rank": rank, "step": step, "phase": phase, "device": str(device),
@@ -115,10 +116,10 @@ def dump_oom(run_dir, rank: int, device: torch.device, step: int, phase: str, es
         report["memory_stats"] = {k: v for k, v in torch.cuda.memory_stats(device).items()
                                   if k in ("allocated_bytes.all.peak", "reserved_bytes.all.current", "num_ooms",
                                            "num_alloc_retries")}
-    have = f" of {report['device_bytes'] / 2**30:.1f} GiB" if "device_bytes" in report else ""
+    have = f" of {report['device_bytes'] / GiB:.1f} GiB" if "device_bytes" in report else ""
     report["message"] = (
         f"rank {rank} ran out of memory{have} in {phase} at step {step} (analytic estimate "
-        f"{estimate_bytes / 2**30:.2f} GiB per rank; `meshforge estimate RECIPE` traces it by category)"
+        f"{estimate_bytes / GiB:.2f} GiB per rank; `meshforge estimate RECIPE` traces it by category)"
         + (f"; allocator snapshot: {report['snapshot']} (open at https://pytorch.org/memory_viz)"
            if "snapshot" in report else "")
         + ". Lower train.micro_batch_size, set activation_checkpoint.mode=full, or shard more "

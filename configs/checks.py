@@ -1,0 +1,198 @@
+"""The rules a recipe obeys on its own, before any model family or parallelism is asked:
+choices, ranges, mesh degrees against the world size, batch arithmetic, data settings.
+
+Each Problem names the field, the bad value and a fix (the nearest valid values where there
+are some). `resolve` also fills in the -1 ("derive it") fields.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshforge.core.errors import Problem, nearest
+from meshforge.core.topology import MESH_DIMS
+
+from .schema import Recipe
+
+
+def mesh_world_size(recipe: Recipe) -> int | None:
+    """The world size the mesh spells out, or None if a degree is -1."""
+    degrees = [getattr(recipe.mesh, n) for n in MESH_DIMS]
+    return None if -1 in degrees else math.prod(degrees)
+
+
+def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
+    """Resolve -1 mesh degrees and batch sizes in place; the problems found doing so."""
+    problems = resolve_mesh(recipe, world_size)
+    if not problems:
+        problems += resolve_batch(recipe)
+    return problems
+
+
+def check(recipe: Recipe) -> list[Problem]:
+    """Choices, ranges and data settings (after `resolve`)."""
+    return check_enums(recipe) + check_ranges(recipe) + check_data(recipe) + check_backend(recipe)
+
+
+def choice_problems(choices: dict[str, tuple[object, tuple]]) -> list[Problem]:
+    """A Problem for every field whose value is not among its choices."""
+    return [Problem(name, value, f"must be one of {', '.join(map(str, valid))}")
+            for name, (value, valid) in choices.items() if value not in valid]
+
+
+def check_enums(r: Recipe) -> list[Problem]:
+    choices = {
+        "train.device": (r.train.device, ("auto", "cpu", "cuda")),
+        "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
+        "activation_checkpoint.mode": (r.activation_checkpoint.mode, ("none", "full", "selective")),
+        "data.source": (r.data.source, ("synthetic", "text", "hf")),
+        "data.hf_format": (r.data.hf_format, ("text", "json", "parquet")),
+        "optimizer.name": (r.optimizer.name, ("adamw",)),
+        "backend": (r.backend, ("torch", "jax")),
+    }
+    if r.logging.wandb_mode is not None:
+        choices["logging.wandb_mode"] = (r.logging.wandb_mode, ("online", "offline", "disabled"))
+    return choice_problems(choices)
+
+
+def resolve_mesh(r: Recipe, world_size: int | None) -> list[Problem]:
+    m = r.mesh
+    degrees = {n: getattr(m, n) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
+    problems = [
+        Problem(f"mesh.{n}", d, "must be a positive degree, or -1 for 'the rest'")
+        for n, d in degrees.items()
+        if d == 0 or d < -1
+    ]
+    inferred = [n for n, d in degrees.items() if d == -1]
+    if len(inferred) > 1:
+        problems.append(Problem("mesh", degrees, f"only one degree may be -1, got {', '.join(inferred)}"))
+    if problems:
+        return problems
+    known = math.prod(d for d in degrees.values() if d != -1)
+    spelled = ", ".join(f"{n}={d}" for n, d in degrees.items())
+    if world_size is None:
+        if inferred:
+            return [Problem(f"mesh.{inferred[0]}", -1, "needs a world size: run under torchrun, or pass --nproc N")]
+        return []
+    if inferred:
+        if world_size % known:
+            return [
+                Problem(
+                    f"mesh.{inferred[0]}", -1,
+                    f"world size {world_size} is not divisible by the other degrees ({spelled}, product {known}); "
+                    f"use a world size that is a multiple of {known}",
+                )
+            ]
+        setattr(m, inferred[0], world_size // known)
+    elif known != world_size:
+        return [
+            Problem(
+                "mesh", spelled,
+                f"dp_replicate*dp_shard*tp*pp = {known} but the world size is {world_size}; "
+                f"set one degree to -1 to take the rest, or run {known} processes",
+            )
+        ]
+    return []
+
+
+def resolve_batch(r: Recipe) -> list[Problem]:
+    t, dp = r.train, r.mesh.dp_replicate * r.mesh.dp_shard
+    g, m, a = t.global_batch_size, t.micro_batch_size, t.grad_accum_steps
+    named = (("global_batch_size", g), ("micro_batch_size", m), ("grad_accum_steps", a))
+    unknown = [n for n, v in named if v == -1]
+    bad = [Problem(f"train.{n}", v, "must be positive, or -1 to derive it from the other two")
+           for n, v in named if v == 0 or v < -1]
+    if bad:
+        return bad
+    if len(unknown) > 1:
+        return [Problem("train", unknown, "set at least two of global_batch_size, micro_batch_size, grad_accum_steps")]
+    if g == -1:
+        t.global_batch_size = m * a * dp
+        return []
+    if m == -1 or a == -1:
+        known = a if m == -1 else m
+        if g % (known * dp):
+            name = "micro_batch_size" if m == -1 else "grad_accum_steps"
+            valid = [known * dp * k for k in range(1, g // (known * dp) + 2)]
+            return [
+                Problem(
+                    "train.global_batch_size", g,
+                    f"must be a multiple of {'grad_accum_steps' if m == -1 else 'micro_batch_size'} x dp "
+                    f"= {known * dp} to derive {name}; nearest valid: {nearest(g, valid)}",
+                )
+            ]
+        setattr(t, "micro_batch_size" if m == -1 else "grad_accum_steps", g // (known * dp))
+        return []
+    if g != m * a * dp:
+        return [
+            Problem(
+                "train.global_batch_size", g,
+                f"must equal micro_batch_size x grad_accum_steps x dp = {m} x {a} x {dp} = {m * a * dp}; "
+                f"set it to {m * a * dp}, or set one of the three to -1 to derive it",
+            )
+        ]
+    return []
+
+
+def check_backend(r: Recipe) -> list[Problem]:
+    """backend=jax trains data- and tensor-parallel fp32 recipes without checkpoints."""
+    if r.backend != "jax":
+        return []
+    why = "backend=jax trains data- and tensor-parallel recipes"
+    problems = []
+    if r.mesh.pp > 1:
+        problems.append(Problem("mesh.pp", r.mesh.pp, f"{why}; pipeline parallelism is torch-only: set mesh.pp=1 "
+                                                       "(and give its ranks to dp_shard or tp) or backend=torch"))
+    if r.fsdp.param_dtype != "float32":
+        problems.append(Problem("fsdp.param_dtype", r.fsdp.param_dtype,
+                                f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch"))
+    c = r.checkpoint
+    if c.enabled or c.load or c.init_from or c.init_from_hf:
+        problems.append(Problem("checkpoint.enabled", c.enabled,
+                                f"{why} without checkpoints for now; export a torch checkpoint with "
+                                "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false"))
+    return problems
+
+
+def check_ranges(r: Recipe) -> list[Problem]:
+    o, t, s, lg = r.optimizer, r.train, r.lr_scheduler, r.logging
+    checks = [
+        ("optimizer.lr", o.lr, o.lr > 0, "must be > 0, e.g. 3e-4"),
+        ("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
+        ("optimizer.eps", o.eps, o.eps > 0, "must be > 0, e.g. 1e-8"),
+        ("optimizer.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+         "must be two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        ("train.steps", t.steps, t.steps > 0, "must be > 0"),
+        ("train.seq_len", t.seq_len, t.seq_len > 0, "must be > 0"),
+        ("train.max_norm", t.max_norm, t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
+        ("train.cpu_threads", t.cpu_threads, t.cpu_threads >= 0, "must be >= 0 (0 = automatic)"),
+        ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, "must be >= 0"),
+        ("lr_scheduler.warmup_steps", s.warmup_steps, 0 <= s.warmup_steps, "must be >= 0"),
+        ("lr_scheduler.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("logging.log_every", lg.log_every, lg.log_every > 0, "must be > 0"),
+        ("logging.memory_breakdown_step", lg.memory_breakdown_step, lg.memory_breakdown_step >= 0,
+         "must be >= 0 (0 turns the per-category memory step off)"),
+        ("activation_checkpoint.selective_every", r.activation_checkpoint.selective_every,
+         r.activation_checkpoint.selective_every > 0, "must be > 0"),
+        ("data.markov_branching", r.data.markov_branching, r.data.markov_branching > 0, "must be > 0"),
+        ("checkpoint.interval", r.checkpoint.interval, r.checkpoint.interval > 0, "must be > 0"),
+        ("checkpoint.keep_latest", r.checkpoint.keep_latest, r.checkpoint.keep_latest >= 0,
+         "must be >= 0 (0 keeps all)"),
+        ("pp.stages_per_rank", r.pp.stages_per_rank, r.pp.stages_per_rank >= 1, "must be >= 1"),
+    ]
+    return [Problem(name, value, fix) for name, value, ok, fix in checks if not ok]
+
+
+def check_data(r: Recipe) -> list[Problem]:
+    d, c = r.data, r.checkpoint
+    problems = []
+    if d.source == "text" and not d.path:
+        problems.append(Problem("data.path", d.path, "data.source='text' needs a glob of local text files, "
+                                                     "e.g. 'data/*.txt'"))
+    if d.source == "hf" and not (d.path or d.hf_dataset):
+        problems.append(Problem("data.path", d.path, "data.source='hf' needs data.path (local json/parquet/text "
+                                                     "files) or data.hf_dataset"))
+    if c.init_from_hf and c.init_from:
+        problems.append(Problem("checkpoint.init_from_hf", c.init_from_hf,
+                                "set either checkpoint.init_from or checkpoint.init_from_hf, not both"))
+    return problems

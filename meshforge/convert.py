@@ -1,0 +1,99 @@
+"""Weights across formats: seed checkpoints (`meshforge init` / `import`) and exports
+(`meshforge export --to safetensors|hf|torchtitan|jax`). The family's `interop` module
+knows its names and row layouts; JAX formats need the `jax` extra."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.core.errors import IncompatibleWeights
+from meshforge.models import args_from_config, get_model_spec, spec_of
+from meshforge.run.checkpoint import SafeFileSystemReader, dcp_load, load_full_model, save_seed_checkpoint
+from meshforge.run.weights import ArrayReader, WeightReader, hf_reader_for, load_into
+
+
+def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
+    """Fill `model` in place from a TorchTitan DCP checkpoint (its 0.3.0 or classic names,
+    flat or under "model."): DCP reads straight into our parameters, no second copy."""
+    interop = spec_of(model.args).interop
+    ours = dict(model.named_parameters())
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    state, found = {}, set()
+    for key, meta in metadata.state_dict_metadata.items():
+        name = interop.name_from_torchtitan(key.removeprefix("model."))
+        if name not in ours or not isinstance(meta, TensorStorageMetadata):
+            continue  # optimizer, dataloader, RoPE cache, ...
+        if tuple(meta.size) != tuple(ours[name].shape):
+            raise IncompatibleWeights(f"{key}: the checkpoint holds {tuple(meta.size)}, the recipe's model "
+                                      f"{tuple(ours[name].shape)}; set model.* to match")
+        state[key] = ours[name].data
+        found.add(name)
+    missing = set(ours) - found
+    if missing:
+        raise IncompatibleWeights(f"the TorchTitan checkpoint {path} lacks {sorted(missing)[:4]}")
+    dcp_load(state, path)
+
+
+def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
+    """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax
+    (checking shapes, and for HF the config, against the model)."""
+    args = model.args
+    if fmt == "hf":
+        load_into(model, hf_reader_for(source, args))
+    elif fmt == "torchtitan" and (source / ".metadata").is_file():
+        load_torchtitan_dcp(model, source)
+    elif fmt in ("torchtitan", "safetensors"):
+        load_into(model, WeightReader(source, args, "torchtitan" if fmt == "torchtitan" else "ours"))
+    else:
+        from meshforge.jax.bridge import load_pytree  # the jax extra
+
+        folder = source / "params" if (source / "params").is_dir() else source
+        load_into(model, ArrayReader(load_pytree(folder), f"the JAX pytree at {folder}"))
+    model.init_buffers()
+
+
+def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> Path:
+    """A checkpoint's model, unsharded, as `to`: safetensors (our names + config.json),
+    hf (an HF folder), torchtitan (its 0.3.0 names) or jax (an Orbax checkpoint of the
+    flat pytree the family's JAX twin takes)."""
+    model, args, meta = load_full_model(checkpoint)
+    interop = spec_of(args).interop
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    del model  # `tensors` holds the only references: a consuming conversion frees as it goes
+    if args.tie_embeddings:
+        tensors.pop("output.weight")  # shared with tok_embeddings.weight; stored once
+    out.mkdir(parents=True, exist_ok=True)
+    if to == "hf":
+        interop.save_hf(tensors, args, out)
+        return out / "model.safetensors"
+    if to == "jax":
+        from meshforge.jax.bridge import save_pytree, state_to_pytree  # the jax extra
+
+        save_pytree(state_to_pytree(tensors, consume=True), out / "params")
+    else:
+        if to == "torchtitan":
+            tensors = interop.to_torchtitan(tensors)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])})
+    (out / "config.json").write_text(json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1))
+    return out / ("params" if to == "jax" else "model.safetensors")
+
+
+def write_seed(recipe: Recipe, out: Path, source: Path | None = None, fmt: str | None = None) -> Path:
+    """A seed checkpoint of the recipe's model: its own initial weights, or (source) weights
+    imported from another format. Any mesh starts from it with checkpoint.init_from=OUT."""
+    with torch.device("cpu"):
+        model = get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
+    meta = {"recipe": recipe_to_dict(recipe), "seed": recipe.seed}
+    if source is None:
+        model.init_weights(seed=recipe.seed)
+    else:
+        import_weights(model, source, fmt)
+        meta.update(imported_from=str(source), format=fmt)
+    return save_seed_checkpoint(model, out, meta)

@@ -1,0 +1,96 @@
+"""The parallel degrees as a validated value object: the one owner of the topology.
+
+Mesh dims, outer to inner: pp, dp_replicate, dp_shard, tp. Tensor parallel is innermost so
+its ranks are neighbours (same node, fastest links); pipeline is outermost (least traffic).
+Everything that needs a rank's place in the mesh (validation, the estimator, sweeps, golden
+dumps, the DeviceMesh itself) asks this class. Pure Python: no devices, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outer -> inner
+_LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("tp", "tp"), ("pp", "pp"))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        bad = {n: d for n, d in self.degrees.items() if not isinstance(d, int) or d < 1}
+        if bad:
+            raise ValueError(f"mesh degrees must be resolved positive integers, got {self.spelled()}")
+
+    @classmethod
+    def from_config(cls, mesh_cfg) -> ParallelDims:
+        return cls(mesh_cfg.dp_replicate, mesh_cfg.dp_shard, mesh_cfg.tp, mesh_cfg.pp)
+
+    @classmethod
+    def all_of_world(cls, world: int) -> list[ParallelDims]:
+        """Every (dp_replicate, dp_shard, tp, pp) whose product is `world`."""
+        shapes = []
+        for rep in divisors(world):
+            for shard in divisors(world // rep):
+                for tp in divisors(world // (rep * shard)):
+                    shapes.append(cls(rep, shard, tp, world // (rep * shard * tp)))
+        return shapes
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Degree per mesh dim, outer to inner (the DeviceMesh's order)."""
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def spelled(self) -> str:
+        return ", ".join(f"{n}={d}" for n, d in self.degrees.items())
+
+    def overrides(self) -> list[str]:
+        """The recipe overrides that select this mesh."""
+        return [f"mesh.{n}={d}" for n, d in self.degrees.items()]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        # FSDP2 also serves pure replication (dp_shard=1): HSDP with a shard dim of 1
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def label(self) -> str:
+        """Short name of the shape, e.g. dp2-tp2-pp2 (run names, sweeps, W&B)."""
+        return "-".join(f"{short}{getattr(self, n)}" for n, short in _LABELS if getattr(self, n) > 1) or "single"
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """Global rank -> its coordinate on every mesh dim (row-major over MESH_DIMS)."""
+        coord, rest = {}, rank
+        for name in reversed(MESH_DIMS):
+            rest, coord[name] = divmod(rest, getattr(self, name))
+        return {n: coord[n] for n in MESH_DIMS}
+
+    def role_ranks(self) -> list[int]:
+        """One global rank per pipeline stage (coordinate 0 on every other dim): the ranks
+        whose memory differs; data- and tensor-parallel peers hold the same shapes."""
+        inner = self.world_size // self.pp
+        return [p * inner for p in range(self.pp)]

@@ -1,0 +1,118 @@
+"""A recipe, loaded and validated against everything it names: the configs' own rules, the
+model family's rules on the mesh, the pipeline schedule's, the parallelisms' combinations.
+
+Every problem is reported at once (field, value, fix); -1 fields come back resolved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
+from meshforge.core.topology import ParallelDims
+from meshforge.models import MODELS, args_from_config, get_model_spec
+from meshforge.parallelisms.fsdp import DTYPES
+from meshforge.parallelisms.pp import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
+
+
+def load_recipe(
+    path_or_name: str | Path | None,
+    overrides: Sequence[str] = (),
+    world_size: int | None = None,
+) -> Recipe:
+    """Load, merge and validate a recipe; -1 fields come back resolved for `world_size`.
+
+    Raises RecipeError listing every problem.
+    """
+    recipe, path = load_config(path_or_name, overrides)
+    problems = validate(recipe, world_size)
+    if problems:
+        raise RecipeError(problems, str(path))
+    return recipe
+
+
+def validate(r: Recipe, world_size: int | None) -> list[Problem]:
+    """Every rule; resolves -1 degrees, batch sizes and microbatches in place."""
+    mesh_problems = checks.resolve_mesh(r, world_size)
+    problems = check_choices(r) + mesh_problems
+    dims = ParallelDims.from_config(r.mesh) if not mesh_problems else None
+    known_model = r.model.name in MODELS and r.model.flavor in MODELS[r.model.name].flavors
+    args = args_from_config(r.model) if known_model else None
+    if args is not None:
+        problems += get_model_spec(r.model.name).check(args, dims or ParallelDims())
+        problems += check_shapes(r, args, dims)
+    if dims is not None:
+        problems += checks.resolve_batch(r)
+        if args is not None:
+            problems += check_pipeline(r.pp, dims.pp, args.n_layers, r.train.micro_batch_size)
+        problems += check_combinations(r)
+    problems += checks.check(r)
+    if args is not None:
+        problems += check_hf_init(r, args)
+    return problems
+
+
+def check_choices(r: Recipe) -> list[Problem]:
+    """Choices owned by the registry and the parallelisms: model, flavor, dtypes, schedule."""
+    problems = checks.choice_problems({
+        "fsdp.param_dtype": (r.fsdp.param_dtype, tuple(DTYPES)),
+        "fsdp.reduce_dtype": (r.fsdp.reduce_dtype, tuple(DTYPES)),
+        "pp.schedule": (r.pp.schedule, SCHEDULES),
+        "model.name": (r.model.name, tuple(MODELS)),
+    })
+    for p in problems:
+        if p.field.startswith("fsdp.") and p.value == "float16":
+            p.message += " (fp16 needs a sharded gradient scaler, not supported yet: use bfloat16)"
+    if r.model.name in MODELS and r.model.flavor not in MODELS[r.model.name].flavors:
+        flavors = ", ".join(MODELS[r.model.name].flavors)
+        problems.append(Problem("model.flavor", r.model.flavor, f"must be one of {flavors}"))
+    return problems
+
+
+def check_shapes(r: Recipe, args, dims: ParallelDims | None) -> list[Problem]:
+    """The sequence against the model (RoPE table, sequence parallel) and the tokenizer."""
+    problems = []
+    if r.train.seq_len > args.max_seq_len:
+        problems.append(Problem("train.seq_len", r.train.seq_len, f"exceeds model max_seq_len={args.max_seq_len}; "
+                                                                  "lower it or raise model.max_seq_len"))
+    if r.data.tokenizer == "byte" and r.data.source != "synthetic" and args.vocab_size < 256:
+        problems.append(Problem("model.vocab_size", args.vocab_size, "the byte tokenizer needs vocab_size >= 256"))
+    if dims is not None and dims.tp_enabled and r.tp.sequence_parallel and r.train.seq_len % dims.tp:
+        tp, seq = dims.tp, r.train.seq_len
+        problems.append(Problem("train.seq_len", seq, f"sequence parallel shards the sequence over tp={tp}: use a "
+                                                      f"multiple of {tp}, e.g. {seq - seq % tp or tp}, or "
+                                                      "tp.sequence_parallel=false"))
+    return problems
+
+
+def check_combinations(r: Recipe) -> list[Problem]:
+    """Combinations measured wrong on torch 2.13 (CPU/gloo): refused, with the reason."""
+    problems = []
+    zero_bubble = r.mesh.pp > 1 and r.pp.schedule in ZERO_BUBBLE_SCHEDULES
+    if zero_bubble and r.mesh.dp_shard > 1 and r.fsdp.reshard_after_forward:
+        problems.append(Problem("fsdp.reshard_after_forward", True,
+                                f"{r.pp.schedule} with FSDP resharding after forward gives wrong gradients on torch "
+                                "2.13; set fsdp.reshard_after_forward=false or use 1F1B/Interleaved1F1B"))
+    if r.compile.enabled and r.mesh.tp > 1:
+        problems.append(Problem("compile.enabled", True,
+                                "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "
+                                "set compile.enabled=false or mesh.tp=1"))
+    return problems
+
+
+def check_hf_init(r: Recipe, args) -> list[Problem]:
+    """An HF folder to start from must exist and hold the recipe's model."""
+    folder = r.checkpoint.init_from_hf
+    if not folder or r.checkpoint.init_from:
+        return []
+    try:
+        diff = get_model_spec(r.model.name).hf_mismatch(Path(folder), args)
+    except FileNotFoundError:
+        return [Problem("checkpoint.init_from_hf", folder,
+                        "no config.json there: point it at an HF Llama folder (config.json + *.safetensors)")]
+    if diff:
+        return [Problem("checkpoint.init_from_hf", folder,
+                        "its model differs from the recipe's (" + "; ".join(diff) + "): use the checkpoint's "
+                        "model.flavor or set model.* to its config.json")]
+    return []

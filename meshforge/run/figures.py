@@ -1,0 +1,62 @@
+"""The pictures a run draws beside its records (and logs to TensorBoard and W&B): the
+pipeline schedule per rank, and memory by category per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction  # noqa: E402
+from meshforge.run.memtrace import CATEGORIES  # noqa: E402
+
+COMPUTE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"}
+
+
+def timeline(order: dict[int, list[str | None]], title: str):
+    """A Gantt-style figure of a pipeline order: one row per rank, one cell per time step."""
+    span = max(i + 1 for actions in order.values() for i, a in enumerate(actions) if action_kind(a))
+    fig, ax = plt.subplots(figsize=(max(6, span * 0.35), 0.6 * len(order) + 1.5))
+    for rank, actions in order.items():
+        for t, a in enumerate(actions[:span]):
+            kind = action_kind(a)
+            if kind is None:
+                continue
+            ax.barh(rank, 1, left=t, color=COMPUTE_COLORS[kind], edgecolor="white")
+            ax.text(t + 0.5, rank, a, ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(list(order), [f"rank {r}" for r in order])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time step")
+    ax.set_title(f"{title}: bubble {bubble_fraction(order):.1%}")
+    labels = {"F": "F forward", "B": "B / I backward (input)", "W": "W backward (weights)"}
+    ax.legend(handles=[Patch(color=COMPUTE_COLORS[k], label=text) for k, text in labels.items()],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="x-small")
+    fig.tight_layout()
+    return fig
+
+
+def breakdown_figure(per_rank: list[dict[str, float]], title: str):
+    """A stacked bar per rank: the categories at that rank's peak, in MiB."""
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
+    bottom = [0.0] * len(per_rank)
+    for cat in CATEGORIES:
+        values = [r.get(cat, 0) / 2**20 for r in per_rank]
+        ax.bar(range(len(per_rank)), values, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(per_rank)), [f"rank {i}" for i in range(len(per_rank))], rotation=45 if len(per_rank) > 8 else 0)
+    ax.set_ylabel("MiB at the step's peak")
+    ax.set_title(title)
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def save_breakdown(per_rank: list[dict[str, float]], path: Path, title: str):
+    fig = breakdown_figure(per_rank, title)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return fig

@@ -1,0 +1,44 @@
+"""What stops a run early: a signal (stop cleanly at the end of the step) and the budget of
+non-finite steps it may skip."""
+
+from __future__ import annotations
+
+import signal
+
+from meshforge.core.errors import NonFiniteLoss
+
+
+class StopSignals:
+    """SIGTERM/SIGINT set a flag instead of killing the step; the loop stops all ranks
+    together at the end of the step (the flag rides in the loss all-reduce)."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class BadStepBudget:
+    """train.max_bad_steps: how many non-finite steps may be skipped before the run stops."""
+
+    def __init__(self, allowed: int):
+        self.allowed, self.seen = allowed, 0
+
+    def spend(self, step: int, out: dict) -> str:
+        """Count a non-finite step; raise once over budget, else the note to show."""
+        self.seen += 1
+        if self.seen > self.allowed:
+            raise NonFiniteLoss(
+                f"non-finite loss ({out['loss']}) or grad norm ({out['grad_norm']}) at step {step}; the update was "
+                f"not applied. Lower optimizer.lr, check the data, or allow skipping with train.max_bad_steps "
+                f"(now {self.allowed})")
+        return f"step {step}: non-finite loss or grad norm, update skipped ({self.seen}/{self.allowed} allowed)"

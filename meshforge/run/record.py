@@ -1,0 +1,142 @@
+"""A run's lifecycle on disk, one object for the torch and JAX trainers alike: `run.json`
+(status, resolved recipe, versions, summary), the run id, and records that continue
+without duplicate steps on resume. `metrics.jsonl` itself is written by the loggers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import meshforge
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write via a temporary file + rename, so a killed run never leaves half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only records up to `last_step`, so a resumed run logs every step exactly once."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+
+
+@dataclass
+class RunState:
+    """What the loop has seen so far, for the summary."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    tokens_per_sec: list[float] = field(default_factory=list)
+    last_memory: dict = field(default_factory=dict)
+    per_rank_memory: list = field(default_factory=list)
+    memory_breakdown: list = field(default_factory=list)  # per rank: category -> bytes at the tracked step's peak
+    memory_breakdown_step: int = 0
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The run's constants that turn tokens/s into FLOP/s and MFU."""
+
+    flops_per_token: float
+    world_size: int
+    peak_flops: float | None  # per device; None where unknown
+    device_type: str
+
+    def rates(self, tokens: int, seconds: float) -> dict[str, float]:
+        """One step's tokens/s (all ranks), its time, TFLOP/s per device and MFU."""
+        tokens_per_sec = tokens / seconds
+        flops_per_device = self.flops_per_token * tokens_per_sec / self.world_size
+        out = {"tokens_per_sec": tokens_per_sec, "step_time": seconds, "tflops_per_device": flops_per_device / 1e12}
+        if self.peak_flops:
+            out["mfu"] = flops_per_device / self.peak_flops
+        return out
+
+
+def summarize(st: RunState, tp: Throughput, loss_floor: float | None = None) -> dict:
+    """The run's summary: losses, steady throughput (the first step pays for warm-up), MFU,
+    and memory."""
+    steady = st.tokens_per_sec[1:] or st.tokens_per_sec
+    out: dict = {"steps": st.step}
+    if st.losses:
+        tps = sum(steady) / len(steady)
+        out.update(final_loss=st.losses[-1], best_loss=min(st.losses), tokens_per_sec=tps,
+                   tflops_per_device=tp.flops_per_token * tps / tp.world_size / 1e12)
+        if tp.peak_flops:
+            out["mfu"] = out["tflops_per_device"] * 1e12 / tp.peak_flops
+            out["peak_tflops_per_device"] = tp.peak_flops / 1e12
+    if loss_floor is not None:
+        out["loss_floor"] = loss_floor
+    if st.per_rank_memory:
+        out["per_rank_memory"] = st.per_rank_memory
+    if st.memory_breakdown:
+        out["memory_breakdown"] = {"step": st.memory_breakdown_step, "per_rank": st.memory_breakdown}
+    peak_key = "mem/cuda_peak_active_max" if tp.device_type == "cuda" else "mem/rss_peak_max"
+    if peak_key in st.last_memory:
+        out["peak_memory_bytes"] = st.last_memory[peak_key]
+    return out
+
+
+class RunRecord:
+    """`<run>/run.json` from start to end. Opened by the one process that logs (rank 0)."""
+
+    def __init__(self, run_dir: Path, run_name: str, info: dict, resumed: dict | None = None):
+        """`info`: what this run is (recipe, mesh, device, ...); `resumed`: {path, step,
+        run_id} of the checkpoint it continues, whose run id and records it keeps."""
+        self.run_dir = run_dir
+        self.path = run_dir / "run.json"
+        resumed = resumed or {}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resumed:
+            truncate_metrics(run_dir / "metrics.jsonl", resumed["step"])  # later steps are logged again
+        versions = {"meshforge": meshforge.__version__, "torch": torch.__version__, **info.pop("versions", {})}
+        self.info = {
+            "run_id": resumed.get("run_id") or f"{run_name}-{uuid.uuid4().hex[:8]}",
+            "resumed_from": resumed.get("path"),
+            "run_name": run_name,
+            "status": "running",
+            "start_time": time.time(),
+            **info,
+            "versions": versions,
+            "records": {"metrics": str(run_dir / "metrics.jsonl")},
+        }
+        self.write()
+
+    @property
+    def run_id(self) -> str:
+        return self.info["run_id"]
+
+    def write(self) -> None:
+        write_json_atomic(self.path, self.info)
+
+    def fail(self, error: BaseException | str) -> None:
+        """Note the error (written at `close`)."""
+        self.info["error"] = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+    def close(self, status: str, summary: dict) -> None:
+        self.info.update(status=status, end_time=time.time(), summary=summary)
+        self.write()
+
+
+def mark_failed(run_json: Path, error: str) -> None:
+    """Close the record of a run whose rank 0 was stopped mid-collective (the launcher knows
+    which rank failed first)."""
+    if not run_json.is_file():
+        return
+    info = json.loads(run_json.read_text())
+    if info.get("status") != "finished":
+        info.setdefault("end_time", time.time())
+        info.update(status="failed", error=error)
+        write_json_atomic(run_json, info)

@@ -1,0 +1,159 @@
+"""The layers of docs/DESIGN.md, checked from the source: every import of a meshforge module
+points down (or within its layer), no import cycle, and no meshforge import hidden inside a
+function (but for the CLI's start-up time and modules that need an optional extra)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+# bottom to top: a module may import its own layer and the layers below it
+LAYERS = ["core", "configs", "models", "parallelisms", "recipe", "run", "simulate", "jax", "convert",
+          "experiments", "cli"]
+# where each import package lives in the repo (setuptools package-dir in pyproject.toml)
+ROOTS = {"meshforge": REPO / "meshforge", "meshforge.configs": REPO / "configs", "meshforge.models": REPO / "models",
+         "meshforge.parallelisms": REPO / "parallelisms"}
+# modules whose import needs an optional extra (jax): imported inside the function that needs them
+OPTIONAL = ("meshforge.jax", "meshforge.models.llama_jax")
+LOCAL_IMPORTS_ALLOWED = {"meshforge.cli"}  # start-up time: `run_recipe --help` must not import torch
+
+
+def module_files() -> dict[str, Path]:
+    """Module name -> file, for every meshforge module in the repo."""
+    out = {}
+    for root_name, folder in ROOTS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([root_name, *parts])
+            if root_name == "meshforge" and parts and parts[0] in ("configs", "models", "parallelisms"):
+                continue
+            out[name] = path
+    return out
+
+
+def layer_of(module: str) -> str:
+    if module == "meshforge":
+        return "core"  # the package itself holds only __version__
+    return module.split(".")[1]
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, bool, int]]:
+    """(imported meshforge module, inside a function?, line) for every import in the file."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            local = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in child.names]
+            for t in targets:
+                if t == "meshforge" or t.startswith("meshforge."):
+                    while t not in known and "." in t:
+                        t = t.rpartition(".")[0]
+                    found.append((t, in_function, child.lineno))
+            visit(child, local)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def graph(files: dict[str, Path]) -> dict[str, list[tuple[str, bool, int]]]:
+    known = set(files)
+    return {name: imports(name, path, known) for name, path in files.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A list of modules forming an import cycle, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def violations(g: dict[str, list[tuple[str, bool, int]]]) -> list[str]:
+    """Every import that points up a layer, or hides a meshforge import in a function."""
+    out = []
+    for src, found in g.items():
+        for dst, local, line in found:
+            if local and src not in LOCAL_IMPORTS_ALLOWED and not dst.startswith(OPTIONAL):
+                out.append(f"{src}:{line} imports {dst} inside a function")
+            if LAYERS.index(layer_of(dst)) > LAYERS.index(layer_of(src)):
+                out.append(f"{src}:{line} imports {dst}, a higher layer ({layer_of(dst)} above {layer_of(src)})")
+    return out
+
+
+def test_every_import_points_down_and_none_is_hidden():
+    files = module_files()
+    assert {"meshforge.configs.schema", "meshforge.run.trainer", "meshforge.parallelisms.fsdp"} <= set(files)
+    assert set(map(layer_of, files)) <= set(LAYERS), "a module outside the layers of docs/DESIGN.md"
+    assert violations(graph(files)) == []
+
+
+def test_no_import_cycle():
+    g = graph(module_files())
+    assert find_cycle({src: {dst for dst, _, _ in found if dst != src} for src, found in g.items()}) is None
+
+
+def test_configs_import_nothing_of_meshforge_but_core():
+    g = graph(module_files())
+    for src, found in g.items():
+        if layer_of(src) == "configs":
+            assert {layer_of(dst) for dst, _, _ in found} <= {"core", "configs"}, src
+
+
+def test_the_checks_catch_a_cycle_an_upward_and_a_hidden_import(tmp_path, monkeypatch):
+    """The checker is not vacuous: a reintroduced cycle (estimate <-> sweep, as before the
+    layers), an upward import and a function-local import are each reported."""
+    pkg = tmp_path / "meshforge"
+    (pkg / "simulate").mkdir(parents=True)
+    (pkg / "experiments").mkdir()
+    for init in (pkg / "__init__.py", pkg / "simulate" / "__init__.py", pkg / "experiments" / "__init__.py"):
+        init.write_text("")
+    (pkg / "simulate" / "estimate.py").write_text("from meshforge.experiments.sweep import mesh_shapes\n")
+    (pkg / "experiments" / "sweep.py").write_text(
+        "from meshforge.simulate import estimate\n\ndef f():\n    from meshforge.simulate.estimate import x\n")
+    monkeypatch.setattr(__import__(__name__), "ROOTS", {"meshforge": pkg})
+    g = graph(module_files())
+    cycle = find_cycle({src: {dst for dst, _, _ in found} for src, found in g.items()})
+    assert cycle is not None and set(cycle) == {"meshforge.simulate.estimate", "meshforge.experiments.sweep"}
+    found = violations(g)
+    assert any("meshforge.simulate.estimate:1 imports meshforge.experiments.sweep, a higher layer" in v
+               for v in found), found
+    assert any("meshforge.experiments.sweep:4 imports meshforge.simulate.estimate inside a function" in v
+               for v in found), found
+
+
+@pytest.mark.parametrize("limit", [380])
+def test_modules_stay_readable(limit):
+    """No module of the core over about 350 lines (formatted), so each reads in one sitting."""
+    long = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > limit}
+    assert long == {}
