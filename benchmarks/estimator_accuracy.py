@@ -20,21 +20,42 @@ import sys
 import tempfile
 from pathlib import Path
 
+from recorded import provenance, save  # benchmarks/recorded.py
+
 from meshforge.recipe import load_recipe
 from meshforge.simulate.estimate import trace_pool, traced_estimate
-from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 0.05
 RECIPE = "debug_cpu"
-QUICK = ["sweep.steps=2", "logging.memory_breakdown_step=2", "logging.wandb=false", "logging.tensorboard=false"]
+QUICK = [
+    "sweep.steps=2",
+    "logging.memory_breakdown_step=2",
+    "logging.wandb=false",
+    "logging.tensorboard=false",
+]
 
 
 def measured_peaks(world: int, out: Path, overrides: list[str]) -> list[dict]:
     """Sweep every mesh of `world` ranks; each finished point's heaviest tracked rank."""
     sweep_dir = out / f"w{world}"
-    subprocess.run([sys.executable, "-m", "meshforge.cli", RECIPE, "--sweep", "--world", str(world), *QUICK,
-                    *overrides, f"output_dir={sweep_dir}"],
-                   check=True, capture_output=True, timeout=3600, env={**os.environ, "WANDB_MODE": "disabled"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshforge.cli",
+            RECIPE,
+            "--sweep",
+            "--world",
+            str(world),
+            *QUICK,
+            *overrides,
+            f"output_dir={sweep_dir}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=3600,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     rows = []
     record = next(sweep_dir.rglob("sweep.jsonl"))
     for line in record.read_text().splitlines():
@@ -44,8 +65,15 @@ def measured_peaks(world: int, out: Path, overrides: list[str]) -> list[dict]:
         run = json.loads((record.parent / point["label"] / "run.json").read_text())
         per_rank = run["summary"]["memory_breakdown"]["per_rank"]
         heaviest = max(range(len(per_rank)), key=lambda r: per_rank[r]["total"])
-        rows.append({"world": world, "layout": point["label"], "overrides": point["overrides"],
-                     "measured_bytes": per_rank[heaviest]["total"], "measured_rank": heaviest})
+        rows.append(
+            {
+                "world": world,
+                "layout": point["label"],
+                "overrides": point["overrides"],
+                "measured_bytes": per_rank[heaviest]["total"],
+                "measured_rank": heaviest,
+            }
+        )
     return rows
 
 
@@ -58,27 +86,46 @@ def measure(worlds: list[int], overrides: list[str]) -> dict:
         for row in rows:
             recipe = load_recipe(RECIPE, [*overrides, *row["overrides"]], world_size=row["world"])
             est = traced_estimate(recipe, pool)
-            row.update(estimated_bytes=est["total"], estimated_rank=est["rank"],
-                       error=est["total"] / row["measured_bytes"] - 1)
+            row.update(
+                estimated_bytes=est["total"],
+                estimated_rank=est["rank"],
+                error=est["total"] / row["measured_bytes"] - 1,
+            )
     worst = max(abs(r["error"]) for r in rows)
     return {
-        "benchmark": "estimator_accuracy", "recipe": RECIPE, "target_abs_error": TARGET, "worst_abs_error": worst,
-        "met": worst <= TARGET, "rows": rows, "overrides": overrides, **provenance(),
+        "benchmark": "estimator_accuracy",
+        "recipe": RECIPE,
+        "target_abs_error": TARGET,
+        "worst_abs_error": worst,
+        "met": worst <= TARGET,
+        "rows": rows,
+        "overrides": overrides,
+        **provenance(),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    lines = ["# Memory estimator accuracy", "",
-             f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; recipe "
-             f"{result['recipe']} {' '.join(result['overrides'])}. Measured: MemTracker peak of tracked tensor "
-             "bytes on step 2 of a real gloo run, heaviest rank. Estimated: `meshforge estimate` (traced on fake "
-             "tensors, no launch), heaviest rank.", "",
-             "| ranks | layout | measured MiB | rank | estimated MiB | rank | error |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Memory estimator accuracy",
+        "",
+        f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; recipe "
+        f"{result['recipe']} {' '.join(result['overrides'])}. Measured: MemTracker peak of tracked tensor "
+        "bytes on step 2 of a real gloo run, heaviest rank. Estimated: `meshforge estimate` (traced on fake "
+        "tensors, no launch), heaviest rank.",
+        "",
+        "| ranks | layout | measured MiB | rank | estimated MiB | rank | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['world']} | {r['layout']} | {r['measured_bytes'] / 2**20:.3f} | {r['measured_rank']} | "
-                     f"{r['estimated_bytes'] / 2**20:.3f} | {r['estimated_rank']} | {r['error']:+.1%} |")
-    lines += ["", f"Worst |error| {result['worst_abs_error']:.1%} (target <= {result['target_abs_error']:.0%}): "
-                  f"{'met' if result['met'] else 'NOT met'}."]
+        lines.append(
+            f"| {r['world']} | {r['layout']} | {r['measured_bytes'] / 2**20:.3f} | {r['measured_rank']} | "
+            f"{r['estimated_bytes'] / 2**20:.3f} | {r['estimated_rank']} | {r['error']:+.1%} |"
+        )
+    lines += [
+        "",
+        f"Worst |error| {result['worst_abs_error']:.1%} (target <= {result['target_abs_error']:.0%}): "
+        f"{'met' if result['met'] else 'NOT met'}.",
+    ]
     save(out, "estimator_accuracy", result, lines)
 
 

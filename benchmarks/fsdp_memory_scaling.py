@@ -19,23 +19,50 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from recorded import provenance, save  # benchmarks/recorded.py
 
+from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 1.05
 # a model big enough that shard padding is a fair share, small enough for 8 CPU processes
-MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=4096",
-         "model.multiple_of=64"]
-QUICK = ["mesh.dp_replicate=1", "mesh.tp=1", "mesh.pp=1", "train.steps=2", "train.seq_len=32",
-         "train.global_batch_size=8", "train.micro_batch_size=-1", "logging.wandb=false",
-         "logging.tensorboard=false", "logging.progress=false"]
+MODEL = [
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=4096",
+    "model.multiple_of=64",
+]
+QUICK = [
+    "mesh.dp_replicate=1",
+    "mesh.tp=1",
+    "mesh.pp=1",
+    "train.steps=2",
+    "train.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=-1",
+    "logging.wandb=false",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+]
 
 
 def state_bytes_at(dp: int, out: Path, overrides: list[str]) -> float:
     run = out / f"dp{dp}"
-    cmd = [sys.executable, "-m", "meshforge.cli", "debug_cpu", *QUICK, *MODEL, f"mesh.dp_shard={dp}",
-           f"output_dir={out}", f"run_name=dp{dp}", *overrides]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshforge.cli",
+        "debug_cpu",
+        *QUICK,
+        *MODEL,
+        f"mesh.dp_shard={dp}",
+        f"output_dir={out}",
+        f"run_name=dp{dp}",
+        *overrides,
+    ]
+    subprocess.run(
+        cmd, check=True, capture_output=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"}
+    )
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     return last["mem/state_max"]
 
@@ -44,26 +71,48 @@ def measure(degrees: list[int], overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         measured = {dp: state_bytes_at(dp, Path(tmp), overrides) for dp in degrees}
     base = measured[degrees[0]] * degrees[0]
-    rows = [{"dp_shard": dp, "state_bytes_per_rank": b, "ideal_bytes": base / dp, "ratio_to_ideal": b / (base / dp)}
-            for dp, b in measured.items()]
+    rows = [
+        {
+            "dp_shard": dp,
+            "state_bytes_per_rank": b,
+            "ideal_bytes": base / dp,
+            "ratio_to_ideal": b / (base / dp),
+        }
+        for dp, b in measured.items()
+    ]
     worst = max(r["ratio_to_ideal"] for r in rows)
     return {
-        "benchmark": "fsdp_memory_scaling", "target_ratio": TARGET, "worst_ratio": worst, "met": worst <= TARGET,
-        "rows": rows, "model_overrides": MODEL + overrides, **provenance(),
+        "benchmark": "fsdp_memory_scaling",
+        "target_ratio": TARGET,
+        "worst_ratio": worst,
+        "met": worst <= TARGET,
+        "rows": rows,
+        "model_overrides": MODEL + overrides,
+        **provenance(),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    lines = ["# FSDP memory scaling", "",
-             f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
-             f"model {' '.join(result['model_overrides'])}; fp32 params + AdamW moments (grads are freed "
-             "after the step), storage bytes incl. shard padding, largest rank.", "",
-             "| dp_shard | state MiB/rank | ideal MiB | ratio |", "|---|---|---|---|"]
+    lines = [
+        "# FSDP memory scaling",
+        "",
+        f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
+        f"model {' '.join(result['model_overrides'])}; fp32 params + AdamW moments (grads are freed "
+        "after the step), storage bytes incl. shard padding, largest rank.",
+        "",
+        "| dp_shard | state MiB/rank | ideal MiB | ratio |",
+        "|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['dp_shard']} | {r['state_bytes_per_rank'] / 2**20:.3f} | {r['ideal_bytes'] / 2**20:.3f} "
-                     f"| {r['ratio_to_ideal']:.3f} |")
-    lines += ["", f"Worst ratio {result['worst_ratio']:.3f} (target <= {result['target_ratio']}): "
-                  f"{'met' if result['met'] else 'NOT met'}."]
+        lines.append(
+            f"| {r['dp_shard']} | {r['state_bytes_per_rank'] / 2**20:.3f} | {r['ideal_bytes'] / 2**20:.3f} "
+            f"| {r['ratio_to_ideal']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Worst ratio {result['worst_ratio']:.3f} (target <= {result['target_ratio']}): "
+        f"{'met' if result['met'] else 'NOT met'}.",
+    ]
     save(out, "fsdp_memory_scaling", result, lines)
 
 

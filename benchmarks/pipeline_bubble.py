@@ -22,24 +22,54 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshforge.recipe import load_recipe
-from meshforge.parallelisms.pp_actions import bubble_fraction
-from meshforge.simulate.schedule import recipe_schedule_order
 from recorded import provenance, save  # benchmarks/recorded.py
 
+from meshforge.parallelisms.pp_actions import bubble_fraction
+from meshforge.recipe import load_recipe
+from meshforge.simulate.schedule import recipe_schedule_order
+
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}  # schedule -> stages per rank
-MODEL = ["model.dim=256", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=2048",
-         "model.multiple_of=64"]
-COMMON = ["mesh.dp_shard=1", "mesh.tp=1", "train.cpu_threads=1", "train.seq_len=128", "train.global_batch_size=16",
-          "train.micro_batch_size=-1", "train.grad_accum_steps=1", "logging.wandb=false",
-          "logging.tensorboard=false", "logging.progress=false", "logging.memory_breakdown_step=0",
-          "pp.embedding_weight=1", "pp.output_weight=1"]
+MODEL = [
+    "model.dim=256",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=2048",
+    "model.multiple_of=64",
+]
+COMMON = [
+    "mesh.dp_shard=1",
+    "mesh.tp=1",
+    "train.cpu_threads=1",
+    "train.seq_len=128",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=-1",
+    "train.grad_accum_steps=1",
+    "logging.wandb=false",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+    "logging.memory_breakdown_step=0",
+    "pp.embedding_weight=1",
+    "pp.output_weight=1",
+]
 
 
 def step_time(out: Path, name: str, overrides: list[str], steps: int) -> float:
-    cmd = [sys.executable, "-m", "meshforge.cli", "debug_cpu", *COMMON, *MODEL, *overrides, f"train.steps={steps}",
-           f"output_dir={out}", f"run_name={name}"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=900, env={**os.environ, "WANDB_MODE": "disabled"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshforge.cli",
+        "debug_cpu",
+        *COMMON,
+        *MODEL,
+        *overrides,
+        f"train.steps={steps}",
+        f"output_dir={out}",
+        f"run_name={name}",
+    ]
+    subprocess.run(
+        cmd, check=True, capture_output=True, timeout=900, env={**os.environ, "WANDB_MODE": "disabled"}
+    )
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     steady = rows[2:] or rows[1:]
     return sorted(r["step_time"] for r in steady)[len(steady) // 2]  # median: robust to a noisy step
@@ -50,29 +80,54 @@ def measure(pp: int, microbatches: int, schedules: list[str], steps: int, overri
     with tempfile.TemporaryDirectory() as tmp:
         t1 = step_time(Path(tmp), "pp1", ["mesh.pp=1", *overrides], steps)
         for name in schedules:
-            pp_over = [f"mesh.pp={pp}", f"pp.schedule={name}", f"pp.microbatches={microbatches}",
-                       f"pp.stages_per_rank={SCHEDULES[name]}", *overrides]
+            pp_over = [
+                f"mesh.pp={pp}",
+                f"pp.schedule={name}",
+                f"pp.microbatches={microbatches}",
+                f"pp.stages_per_rank={SCHEDULES[name]}",
+                *overrides,
+            ]
             order = recipe_schedule_order(load_recipe("debug_cpu", [*COMMON, *MODEL, *pp_over]))
             t_pp = step_time(Path(tmp), name, pp_over, steps)
             measured = 1 - (t1 / pp) / t_pp
-            rows.append({"schedule": name, "stages_per_rank": SCHEDULES[name], "theory": bubble_fraction(order),
-                         "measured": measured, "step_time_s": t_pp, "gap": measured - bubble_fraction(order)})
+            rows.append(
+                {
+                    "schedule": name,
+                    "stages_per_rank": SCHEDULES[name],
+                    "theory": bubble_fraction(order),
+                    "measured": measured,
+                    "step_time_s": t_pp,
+                    "gap": measured - bubble_fraction(order),
+                }
+            )
     return {
-        "benchmark": "pipeline_bubble", "pp": pp, "microbatches": microbatches, "one_rank_step_time_s": t1,
-        "rows": rows, "model_overrides": MODEL + overrides, **provenance(),
+        "benchmark": "pipeline_bubble",
+        "pp": pp,
+        "microbatches": microbatches,
+        "one_rank_step_time_s": t1,
+        "rows": rows,
+        "model_overrides": MODEL + overrides,
+        **provenance(),
     }
 
 
 def write(result: dict, out: Path) -> None:
-    lines = ["# Pipeline bubble: measured vs theory", "",
-             f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
-             f"pp={result['pp']}, {result['microbatches']} microbatches, one CPU thread per rank; model "
-             f"{' '.join(result['model_overrides'])}. One-rank step {result['one_rank_step_time_s']:.3f} s. "
-             "Measured bubble = 1 - (T1/pp) / T_pp (communication and unequal stages count as bubble).", "",
-             "| schedule | stages/rank | theory | measured | gap | step s |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# Pipeline bubble: measured vs theory",
+        "",
+        f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
+        f"pp={result['pp']}, {result['microbatches']} microbatches, one CPU thread per rank; model "
+        f"{' '.join(result['model_overrides'])}. One-rank step {result['one_rank_step_time_s']:.3f} s. "
+        "Measured bubble = 1 - (T1/pp) / T_pp (communication and unequal stages count as bubble).",
+        "",
+        "| schedule | stages/rank | theory | measured | gap | step s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['schedule']} | {r['stages_per_rank']} | {r['theory']:.1%} | {r['measured']:.1%} | "
-                     f"{r['gap']:+.1%} | {r['step_time_s']:.3f} |")
+        lines.append(
+            f"| {r['schedule']} | {r['stages_per_rank']} | {r['theory']:.1%} | {r['measured']:.1%} | "
+            f"{r['gap']:+.1%} | {r['step_time_s']:.3f} |"
+        )
     save(out, "pipeline_bubble", result, lines)
 
 
@@ -87,7 +142,11 @@ def main() -> None:
     args = p.parse_args()
     result = measure(args.pp, args.microbatches, args.schedules, args.steps, args.overrides)
     write(result, Path(args.out))
-    print(json.dumps({r["schedule"]: {"theory": r["theory"], "measured": r["measured"]} for r in result["rows"]}))
+    print(
+        json.dumps(
+            {r["schedule"]: {"theory": r["theory"], "measured": r["measured"]} for r in result["rows"]}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -18,15 +18,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.recipe import load_recipe
 from meshforge.run.optim import build_optimizer, lr_multiplier
 from meshforge.run.trainer import Trainer
-from recorded import provenance, save  # benchmarks/recorded.py
 
 TARGET = 1.03
-SINGLE = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "logging.wandb=false",
-          "logging.tensorboard=false", "logging.progress=false"]
+SINGLE = [
+    "mesh.dp_replicate=1",
+    "mesh.dp_shard=1",
+    "mesh.tp=1",
+    "mesh.pp=1",
+    "logging.wandb=false",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+]
 
 
 def bare_loop(trainer: Trainer):
@@ -79,22 +86,40 @@ def measure(rounds: int, steps: int, overrides: list[str]) -> dict:
     medians = {k: statistics.median(v) for k, v in times.items()}
     ratio = medians["meshforge"] / medians["bare"]
     return {
-        "benchmark": "runner_overhead", "target_ratio": TARGET, "ratio": ratio, "met": ratio <= TARGET,
-        "median_step_s": medians, "rounds": rounds, "steps_per_round": steps, "overrides": overrides,
+        "benchmark": "runner_overhead",
+        "target_ratio": TARGET,
+        "ratio": ratio,
+        "met": ratio <= TARGET,
+        "median_step_s": medians,
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "overrides": overrides,
         **provenance(threads=torch.get_num_threads()),
     }
 
 
 def write(result: dict, out: Path) -> None:
     m = result["median_step_s"]
-    save(out, "runner_overhead", result, [
-        "# Runner overhead", "",
-        f"{result['date']}, {result['machine']['platform']}, {result['machine']['cpus']} CPUs, "
-        f"torch {result['versions']['torch']}; {result['rounds']} alternating rounds x "
-        f"{result['steps_per_round']} steps, debug model, one process.", "",
-        "| loop | median step (ms) |", "|---|---|",
-        f"| bare PyTorch | {m['bare'] * 1e3:.2f} |", f"| meshforge | {m['meshforge'] * 1e3:.2f} |", "",
-        f"Ratio {result['ratio']:.3f} (target <= {result['target_ratio']}): {'met' if result['met'] else 'NOT met'}."])
+    save(
+        out,
+        "runner_overhead",
+        result,
+        [
+            "# Runner overhead",
+            "",
+            f"{result['date']}, {result['machine']['platform']}, {result['machine']['cpus']} CPUs, "
+            f"torch {result['versions']['torch']}; {result['rounds']} alternating rounds x "
+            f"{result['steps_per_round']} steps, debug model, one process.",
+            "",
+            "| loop | median step (ms) |",
+            "|---|---|",
+            f"| bare PyTorch | {m['bare'] * 1e3:.2f} |",
+            f"| meshforge | {m['meshforge'] * 1e3:.2f} |",
+            "",
+            f"Ratio {result['ratio']:.3f} (target <= {result['target_ratio']}): "
+            f"{'met' if result['met'] else 'NOT met'}.",
+        ],
+    )
 
 
 def main() -> None:

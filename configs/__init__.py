@@ -6,5 +6,14 @@ from meshforge.core.errors import Problem, RecipeError
 from .loader import embedded_recipes, load_config, recipe_to_dict, resolve_recipe_path
 from .schema import Recipe, field_doc, sections
 
-__all__ = ["Problem", "RecipeError", "Recipe", "embedded_recipes", "field_doc", "load_config", "recipe_to_dict",
-           "resolve_recipe_path", "sections"]
+__all__ = [
+    "Problem",
+    "RecipeError",
+    "Recipe",
+    "embedded_recipes",
+    "field_doc",
+    "load_config",
+    "recipe_to_dict",
+    "resolve_recipe_path",
+    "sections",
+]

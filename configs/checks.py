@@ -36,8 +36,11 @@ def check(recipe: Recipe) -> list[Problem]:
 
 def choice_problems(choices: dict[str, tuple[object, tuple]]) -> list[Problem]:
     """A Problem for every field whose value is not among its choices."""
-    return [Problem(name, value, f"must be one of {', '.join(map(str, valid))}")
-            for name, (value, valid) in choices.items() if value not in valid]
+    return [
+        Problem(name, value, f"must be one of {', '.join(map(str, valid))}")
+        for name, (value, valid) in choices.items()
+        if value not in valid
+    ]
 
 
 def check_enums(r: Recipe) -> list[Problem]:
@@ -72,22 +75,28 @@ def resolve_mesh(r: Recipe, world_size: int | None) -> list[Problem]:
     spelled = ", ".join(f"{n}={d}" for n, d in degrees.items())
     if world_size is None:
         if inferred:
-            return [Problem(f"mesh.{inferred[0]}", -1, "needs a world size: run under torchrun, or pass --nproc N")]
+            return [
+                Problem(
+                    f"mesh.{inferred[0]}", -1, "needs a world size: run under torchrun, or pass --nproc N"
+                )
+            ]
         return []
     if inferred:
         if world_size % known:
             return [
                 Problem(
-                    f"mesh.{inferred[0]}", -1,
-                    f"world size {world_size} is not divisible by the other degrees ({spelled}, product {known}); "
-                    f"use a world size that is a multiple of {known}",
+                    f"mesh.{inferred[0]}",
+                    -1,
+                    f"world size {world_size} is not divisible by the other degrees ({spelled}, "
+                    f"product {known}); use a world size that is a multiple of {known}",
                 )
             ]
         setattr(m, inferred[0], world_size // known)
     elif known != world_size:
         return [
             Problem(
-                "mesh", spelled,
+                "mesh",
+                spelled,
                 f"dp_replicate*dp_shard*tp*pp = {known} but the world size is {world_size}; "
                 f"set one degree to -1 to take the rest, or run {known} processes",
             )
@@ -100,12 +109,19 @@ def resolve_batch(r: Recipe) -> list[Problem]:
     g, m, a = t.global_batch_size, t.micro_batch_size, t.grad_accum_steps
     named = (("global_batch_size", g), ("micro_batch_size", m), ("grad_accum_steps", a))
     unknown = [n for n, v in named if v == -1]
-    bad = [Problem(f"train.{n}", v, "must be positive, or -1 to derive it from the other two")
-           for n, v in named if v == 0 or v < -1]
+    bad = [
+        Problem(f"train.{n}", v, "must be positive, or -1 to derive it from the other two")
+        for n, v in named
+        if v == 0 or v < -1
+    ]
     if bad:
         return bad
     if len(unknown) > 1:
-        return [Problem("train", unknown, "set at least two of global_batch_size, micro_batch_size, grad_accum_steps")]
+        return [
+            Problem(
+                "train", unknown, "set at least two of global_batch_size, micro_batch_size, grad_accum_steps"
+            )
+        ]
     if g == -1:
         t.global_batch_size = m * a * dp
         return []
@@ -116,7 +132,8 @@ def resolve_batch(r: Recipe) -> list[Problem]:
             valid = [known * dp * k for k in range(1, g // (known * dp) + 2)]
             return [
                 Problem(
-                    "train.global_batch_size", g,
+                    "train.global_batch_size",
+                    g,
                     f"must be a multiple of {'grad_accum_steps' if m == -1 else 'micro_batch_size'} x dp "
                     f"= {known * dp} to derive {name}; nearest valid: {nearest(g, valid)}",
                 )
@@ -126,7 +143,8 @@ def resolve_batch(r: Recipe) -> list[Problem]:
     if g != m * a * dp:
         return [
             Problem(
-                "train.global_batch_size", g,
+                "train.global_batch_size",
+                g,
                 f"must equal micro_batch_size x grad_accum_steps x dp = {m} x {a} x {dp} = {m * a * dp}; "
                 f"set it to {m * a * dp}, or set one of the three to -1 to derive it",
             )
@@ -141,16 +159,32 @@ def check_backend(r: Recipe) -> list[Problem]:
     why = "backend=jax trains data- and tensor-parallel recipes"
     problems = []
     if r.mesh.pp > 1:
-        problems.append(Problem("mesh.pp", r.mesh.pp, f"{why}; pipeline parallelism is torch-only: set mesh.pp=1 "
-                                                       "(and give its ranks to dp_shard or tp) or backend=torch"))
+        problems.append(
+            Problem(
+                "mesh.pp",
+                r.mesh.pp,
+                f"{why}; pipeline parallelism is torch-only: set mesh.pp=1 "
+                "(and give its ranks to dp_shard or tp) or backend=torch",
+            )
+        )
     if r.fsdp.param_dtype != "float32":
-        problems.append(Problem("fsdp.param_dtype", r.fsdp.param_dtype,
-                                f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch"))
+        problems.append(
+            Problem(
+                "fsdp.param_dtype",
+                r.fsdp.param_dtype,
+                f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch",
+            )
+        )
     c = r.checkpoint
     if c.enabled or c.load or c.init_from or c.init_from_hf:
-        problems.append(Problem("checkpoint.enabled", c.enabled,
-                                f"{why} without checkpoints for now; export a torch checkpoint with "
-                                "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false"))
+        problems.append(
+            Problem(
+                "checkpoint.enabled",
+                c.enabled,
+                f"{why} without checkpoints for now; export a torch checkpoint with "
+                "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false",
+            )
+        )
     return problems
 
 
@@ -160,8 +194,12 @@ def check_ranges(r: Recipe) -> list[Problem]:
         ("optimizer.lr", o.lr, o.lr > 0, "must be > 0, e.g. 3e-4"),
         ("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
         ("optimizer.eps", o.eps, o.eps > 0, "must be > 0, e.g. 1e-8"),
-        ("optimizer.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
-         "must be two numbers in [0, 1), e.g. [0.9, 0.95]"),
+        (
+            "optimizer.betas",
+            o.betas,
+            len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+            "must be two numbers in [0, 1), e.g. [0.9, 0.95]",
+        ),
         ("train.steps", t.steps, t.steps > 0, "must be > 0"),
         ("train.seq_len", t.seq_len, t.seq_len > 0, "must be > 0"),
         ("train.max_norm", t.max_norm, t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
@@ -170,14 +208,26 @@ def check_ranges(r: Recipe) -> list[Problem]:
         ("lr_scheduler.warmup_steps", s.warmup_steps, 0 <= s.warmup_steps, "must be >= 0"),
         ("lr_scheduler.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "must be in [0, 1]"),
         ("logging.log_every", lg.log_every, lg.log_every > 0, "must be > 0"),
-        ("logging.memory_breakdown_step", lg.memory_breakdown_step, lg.memory_breakdown_step >= 0,
-         "must be >= 0 (0 turns the per-category memory step off)"),
-        ("activation_checkpoint.selective_every", r.activation_checkpoint.selective_every,
-         r.activation_checkpoint.selective_every > 0, "must be > 0"),
+        (
+            "logging.memory_breakdown_step",
+            lg.memory_breakdown_step,
+            lg.memory_breakdown_step >= 0,
+            "must be >= 0 (0 turns the per-category memory step off)",
+        ),
+        (
+            "activation_checkpoint.selective_every",
+            r.activation_checkpoint.selective_every,
+            r.activation_checkpoint.selective_every > 0,
+            "must be > 0",
+        ),
         ("data.markov_branching", r.data.markov_branching, r.data.markov_branching > 0, "must be > 0"),
         ("checkpoint.interval", r.checkpoint.interval, r.checkpoint.interval > 0, "must be > 0"),
-        ("checkpoint.keep_latest", r.checkpoint.keep_latest, r.checkpoint.keep_latest >= 0,
-         "must be >= 0 (0 keeps all)"),
+        (
+            "checkpoint.keep_latest",
+            r.checkpoint.keep_latest,
+            r.checkpoint.keep_latest >= 0,
+            "must be >= 0 (0 keeps all)",
+        ),
         ("pp.stages_per_rank", r.pp.stages_per_rank, r.pp.stages_per_rank >= 1, "must be >= 1"),
     ]
     return [Problem(name, value, fix) for name, value, ok, fix in checks if not ok]
@@ -187,12 +237,25 @@ def check_data(r: Recipe) -> list[Problem]:
     d, c = r.data, r.checkpoint
     problems = []
     if d.source == "text" and not d.path:
-        problems.append(Problem("data.path", d.path, "data.source='text' needs a glob of local text files, "
-                                                     "e.g. 'data/*.txt'"))
+        problems.append(
+            Problem(
+                "data.path", d.path, "data.source='text' needs a glob of local text files, e.g. 'data/*.txt'"
+            )
+        )
     if d.source == "hf" and not (d.path or d.hf_dataset):
-        problems.append(Problem("data.path", d.path, "data.source='hf' needs data.path (local json/parquet/text "
-                                                     "files) or data.hf_dataset"))
+        problems.append(
+            Problem(
+                "data.path",
+                d.path,
+                "data.source='hf' needs data.path (local json/parquet/text files) or data.hf_dataset",
+            )
+        )
     if c.init_from_hf and c.init_from:
-        problems.append(Problem("checkpoint.init_from_hf", c.init_from_hf,
-                                "set either checkpoint.init_from or checkpoint.init_from_hf, not both"))
+        problems.append(
+            Problem(
+                "checkpoint.init_from_hf",
+                c.init_from_hf,
+                "set either checkpoint.init_from or checkpoint.init_from_hf, not both",
+            )
+        )
     return problems

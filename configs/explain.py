@@ -23,15 +23,21 @@ def fields_help() -> str:
 def explain_table(target: str | None) -> Table:
     """Field, default and doc of a section, a field, or (None) every section and top-level field."""
     secs = sections()
-    names = [target] if target else list(secs) + [f.name for f in dataclasses.fields(Recipe) if f.name not in secs]
+    names = (
+        [target]
+        if target
+        else list(secs) + [f.name for f in dataclasses.fields(Recipe) if f.name not in secs]
+    )
     table = Table("field", "default", "doc")
     for name in names:
         sec, _, key = name.partition(".")
         if sec in secs:
             fields = [f for f in dataclasses.fields(secs[sec]) if not key or f.name == key]
             if not fields:
-                raise UsageError(f"{sec} has no field {key!r}; "
-                                 f"fields: {', '.join(f.name for f in dataclasses.fields(secs[sec]))}")
+                raise UsageError(
+                    f"{sec} has no field {key!r}; "
+                    f"fields: {', '.join(f.name for f in dataclasses.fields(secs[sec]))}"
+                )
             for f in fields:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 table.add_row(f"{sec}.{f.name}", repr(default), f.metadata.get("doc", ""))
@@ -39,5 +45,7 @@ def explain_table(target: str | None) -> Table:
             try:
                 table.add_row(sec, "", field_doc(None, sec))
             except KeyError:
-                raise UsageError(f"no recipe field or section {name!r}; sections: {', '.join(secs)}") from None
+                raise UsageError(
+                    f"no recipe field or section {name!r}; sections: {', '.join(secs)}"
+                ) from None
     return table

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import time
-import tomllib
 import typing
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+import tomllib
 from omegaconf import OmegaConf
 
 from meshforge.core.errors import Problem, RecipeError
@@ -42,7 +43,8 @@ def resolve_recipe_path(arg: str | None) -> Path:
     hint = difflib.get_close_matches(path.stem, shipped, n=1)
     fix = f"did you mean {hint[0]!r}? " if hint else ""
     raise RecipeError(
-        [Problem("recipe", arg, f"no such file; {fix}embedded recipes: {', '.join(sorted(shipped))}")], "recipe"
+        [Problem("recipe", arg, f"no such file; {fix}embedded recipes: {', '.join(sorted(shipped))}")],
+        "recipe",
     )
 
 
@@ -56,8 +58,16 @@ def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise RecipeError([Problem("toml", str(path), f"not valid TOML: {e}")], str(path)) from None
     except UnicodeDecodeError as e:
-        raise RecipeError([Problem("toml", str(path), f"not UTF-8 text ({e.reason} at byte {e.start}): "
-                                                      "a recipe is a TOML text file")], str(path)) from None
+        raise RecipeError(
+            [
+                Problem(
+                    "toml",
+                    str(path),
+                    f"not UTF-8 text ({e.reason} at byte {e.start}): a recipe is a TOML text file",
+                )
+            ],
+            str(path),
+        ) from None
     base_name = data.pop("extends", None)
     if base_name is None:
         return data

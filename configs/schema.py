@@ -47,7 +47,9 @@ class MeshConfig:
 
 @dataclass
 class FSDPConfig:
-    reshard_after_forward: bool = F(True, "free gathered params after forward (saves memory, costs a 2nd all-gather)")
+    reshard_after_forward: bool = F(
+        True, "free gathered params after forward (saves memory, costs a 2nd all-gather)"
+    )
     param_dtype: str = F("float32", "dtype of compute params: float32 | bfloat16 (autocast when FSDP is off)")
     reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16")
     cpu_offload: bool = F(False, "keep sharded params, grads and optimizer state on the CPU")
@@ -61,10 +63,15 @@ class TPConfig:
 
 @dataclass
 class PPConfig:
-    schedule: str = F("1F1B", "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV")
+    schedule: str = F(
+        "1F1B",
+        "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV",
+    )
     microbatches: int = F(-1, "microbatches per step per pipeline; -1 = number of stages")
     stages_per_rank: int = F(1, "virtual stages per rank (2+ for interleaved/looped/V schedules)")
-    layers_per_stage: Optional[List[int]] = F(None, "explicit layer count per stage, e.g. [3, 5]; None = balanced")
+    layers_per_stage: Optional[List[int]] = F(
+        None, "explicit layer count per stage, e.g. [3, 5]; None = balanced"
+    )
     embedding_weight: float = F(0.0, "tok_embeddings counted as this many layers when balancing stages")
     output_weight: float = F(0.0, "norm + output counted as this many layers when balancing stages")
 
@@ -101,7 +108,9 @@ class LRSchedulerConfig:
 class TrainConfig:
     steps: int = F(100, "optimizer steps to train")
     seq_len: int = F(128, "tokens per sample")
-    global_batch_size: int = F(-1, "samples per optimizer step = micro_batch_size * grad_accum_steps * dp; -1 = derive")
+    global_batch_size: int = F(
+        -1, "samples per optimizer step = micro_batch_size * grad_accum_steps * dp; -1 = derive"
+    )
     micro_batch_size: int = F(8, "samples per forward/backward on one data-parallel rank; -1 = derive")
     grad_accum_steps: int = F(1, "micro-batches accumulated per step; -1 = derive")
     max_norm: float = F(1.0, "gradient clipping max norm; 0 disables clipping")
@@ -132,10 +141,16 @@ class LoggingConfig:
     wandb_entity: Optional[str] = F(None, "W&B entity (team or user)")
     wandb_group: Optional[str] = F(None, "W&B group (sweeps set it)")
     wandb_tags: List[str] = F([], "W&B tags")
-    wandb_mode: Optional[str] = F(None, "online | offline | disabled; None = WANDB_MODE, else online with a key, offline without")
+    wandb_mode: Optional[str] = F(
+        None, "online | offline | disabled; None = WANDB_MODE, else online with a key, offline without"
+    )
     progress: bool = F(True, "show a rich progress bar and summary in the terminal")
-    memory_history: bool = F(True, "CUDA: record allocator history, dumped as a snapshot if a rank runs out of memory")
-    memory_breakdown_step: int = F(2, "track memory by category (torch MemTracker) on this step, per rank; 0 = off")
+    memory_history: bool = F(
+        True, "CUDA: record allocator history, dumped as a snapshot if a rank runs out of memory"
+    )
+    memory_breakdown_step: int = F(
+        2, "track memory by category (torch MemTracker) on this step, per rank; 0 = off"
+    )
 
 
 @dataclass
@@ -148,13 +163,18 @@ class CheckpointConfig:
     save_at_end: bool = F(True, "save after the last step (when enabled)")
     load: Optional[str] = F(None, "resume from 'latest' (this run's newest, if any) or a checkpoint path")
     init_from: Optional[str] = F(None, "initial weights from a seed checkpoint (`meshforge init`), any mesh")
-    init_from_hf: Optional[str] = F(None, "initial weights from an HF Llama folder (config.json + safetensors); "
-                                          "each rank reads only its shards")
+    init_from_hf: Optional[str] = F(
+        None,
+        "initial weights from an HF Llama folder (config.json + safetensors); "
+        "each rank reads only its shards",
+    )
 
 
 @dataclass
 class SweepConfig:
-    axes: Dict[str, List[str]] = F({}, 'policy axes crossed with every mesh, e.g. "pp.schedule" = ["1F1B", "GPipe"]')
+    axes: Dict[str, List[str]] = F(
+        {}, 'policy axes crossed with every mesh, e.g. "pp.schedule" = ["1F1B", "GPipe"]'
+    )
     steps: int = F(10, "steps per sweep point (a short budget: enough to time a layout)")
     timeout_s: int = F(600, "a point still running after this many seconds is stopped and recorded as hung")
     device_memory_gib: Optional[float] = F(None, "skip points whose estimated per-rank memory exceeds this")
@@ -167,7 +187,9 @@ class Recipe:
     fsdp: FSDPConfig = F(FSDPConfig(), "FSDP2 policy")
     tp: TPConfig = F(TPConfig(), "tensor-parallel policy")
     pp: PPConfig = F(PPConfig(), "pipeline-parallel policy")
-    activation_checkpoint: ActivationCheckpointConfig = F(ActivationCheckpointConfig(), "activation checkpointing")
+    activation_checkpoint: ActivationCheckpointConfig = F(
+        ActivationCheckpointConfig(), "activation checkpointing"
+    )
     compile: CompileConfig = F(CompileConfig(), "torch.compile")
     optimizer: OptimizerConfig = F(OptimizerConfig(), "optimizer")
     lr_scheduler: LRSchedulerConfig = F(LRSchedulerConfig(), "learning-rate schedule")

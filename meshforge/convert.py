@@ -31,8 +31,10 @@ def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
         if name not in ours or not isinstance(meta, TensorStorageMetadata):
             continue  # optimizer, dataloader, RoPE cache, ...
         if tuple(meta.size) != tuple(ours[name].shape):
-            raise IncompatibleWeights(f"{key}: the checkpoint holds {tuple(meta.size)}, the recipe's model "
-                                      f"{tuple(ours[name].shape)}; set model.* to match")
+            raise IncompatibleWeights(
+                f"{key}: the checkpoint holds {tuple(meta.size)}, the recipe's model "
+                f"{tuple(ours[name].shape)}; set model.* to match"
+            )
         state[key] = ours[name].data
         found.add(name)
     missing = set(ours) - found
@@ -80,8 +82,12 @@ def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> P
     else:
         if to == "torchtitan":
             tensors = interop.to_torchtitan(tensors)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])})
-    (out / "config.json").write_text(json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1))
+        save_file(
+            tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])}
+        )
+    (out / "config.json").write_text(
+        json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1)
+    )
     return out / ("params" if to == "jax" else "model.safetensors")
 
 

@@ -6,8 +6,8 @@ Every problem is reported at once (field, value, fix); -1 fields come back resol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.topology import ParallelDims
@@ -55,12 +55,14 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
 
 def check_choices(r: Recipe) -> list[Problem]:
     """Choices owned by the registry and the parallelisms: model, flavor, dtypes, schedule."""
-    problems = checks.choice_problems({
-        "fsdp.param_dtype": (r.fsdp.param_dtype, tuple(DTYPES)),
-        "fsdp.reduce_dtype": (r.fsdp.reduce_dtype, tuple(DTYPES)),
-        "pp.schedule": (r.pp.schedule, SCHEDULES),
-        "model.name": (r.model.name, tuple(MODELS)),
-    })
+    problems = checks.choice_problems(
+        {
+            "fsdp.param_dtype": (r.fsdp.param_dtype, tuple(DTYPES)),
+            "fsdp.reduce_dtype": (r.fsdp.reduce_dtype, tuple(DTYPES)),
+            "pp.schedule": (r.pp.schedule, SCHEDULES),
+            "model.name": (r.model.name, tuple(MODELS)),
+        }
+    )
     for p in problems:
         if p.field.startswith("fsdp.") and p.value == "float16":
             p.message += " (fp16 needs a sharded gradient scaler, not supported yet: use bfloat16)"
@@ -74,15 +76,28 @@ def check_shapes(r: Recipe, args, dims: ParallelDims | None) -> list[Problem]:
     """The sequence against the model (RoPE table, sequence parallel) and the tokenizer."""
     problems = []
     if r.train.seq_len > args.max_seq_len:
-        problems.append(Problem("train.seq_len", r.train.seq_len, f"exceeds model max_seq_len={args.max_seq_len}; "
-                                                                  "lower it or raise model.max_seq_len"))
+        problems.append(
+            Problem(
+                "train.seq_len",
+                r.train.seq_len,
+                f"exceeds model max_seq_len={args.max_seq_len}; lower it or raise model.max_seq_len",
+            )
+        )
     if r.data.tokenizer == "byte" and r.data.source != "synthetic" and args.vocab_size < 256:
-        problems.append(Problem("model.vocab_size", args.vocab_size, "the byte tokenizer needs vocab_size >= 256"))
+        problems.append(
+            Problem("model.vocab_size", args.vocab_size, "the byte tokenizer needs vocab_size >= 256")
+        )
     if dims is not None and dims.tp_enabled and r.tp.sequence_parallel and r.train.seq_len % dims.tp:
         tp, seq = dims.tp, r.train.seq_len
-        problems.append(Problem("train.seq_len", seq, f"sequence parallel shards the sequence over tp={tp}: use a "
-                                                      f"multiple of {tp}, e.g. {seq - seq % tp or tp}, or "
-                                                      "tp.sequence_parallel=false"))
+        problems.append(
+            Problem(
+                "train.seq_len",
+                seq,
+                f"sequence parallel shards the sequence over tp={tp}: use a "
+                f"multiple of {tp}, e.g. {seq - seq % tp or tp}, or "
+                "tp.sequence_parallel=false",
+            )
+        )
     return problems
 
 
@@ -91,13 +106,23 @@ def check_combinations(r: Recipe) -> list[Problem]:
     problems = []
     zero_bubble = r.mesh.pp > 1 and r.pp.schedule in ZERO_BUBBLE_SCHEDULES
     if zero_bubble and r.mesh.dp_shard > 1 and r.fsdp.reshard_after_forward:
-        problems.append(Problem("fsdp.reshard_after_forward", True,
-                                f"{r.pp.schedule} with FSDP resharding after forward gives wrong gradients on torch "
-                                "2.13; set fsdp.reshard_after_forward=false or use 1F1B/Interleaved1F1B"))
+        problems.append(
+            Problem(
+                "fsdp.reshard_after_forward",
+                True,
+                f"{r.pp.schedule} with FSDP resharding after forward gives wrong gradients on torch "
+                "2.13; set fsdp.reshard_after_forward=false or use 1F1B/Interleaved1F1B",
+            )
+        )
     if r.compile.enabled and r.mesh.tp > 1:
-        problems.append(Problem("compile.enabled", True,
-                                "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "
-                                "set compile.enabled=false or mesh.tp=1"))
+        problems.append(
+            Problem(
+                "compile.enabled",
+                True,
+                "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "
+                "set compile.enabled=false or mesh.tp=1",
+            )
+        )
     return problems
 
 
@@ -109,10 +134,20 @@ def check_hf_init(r: Recipe, args) -> list[Problem]:
     try:
         diff = get_model_spec(r.model.name).hf_mismatch(Path(folder), args)
     except FileNotFoundError:
-        return [Problem("checkpoint.init_from_hf", folder,
-                        "no config.json there: point it at an HF Llama folder (config.json + *.safetensors)")]
+        return [
+            Problem(
+                "checkpoint.init_from_hf",
+                folder,
+                "no config.json there: point it at an HF Llama folder (config.json + *.safetensors)",
+            )
+        ]
     if diff:
-        return [Problem("checkpoint.init_from_hf", folder,
-                        "its model differs from the recipe's (" + "; ".join(diff) + "): use the checkpoint's "
-                        "model.flavor or set model.* to its config.json")]
+        return [
+            Problem(
+                "checkpoint.init_from_hf",
+                folder,
+                "its model differs from the recipe's (" + "; ".join(diff) + "): use the checkpoint's "
+                "model.flavor or set model.* to its config.json",
+            )
+        ]
     return []

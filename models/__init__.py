@@ -5,5 +5,14 @@ from .llama import LlamaArgs, Transformer, count_params
 from .registry import MODELS, args_from_config, get_model_spec, model_args, spec_of
 from .spec import ModelSpec
 
-__all__ = ["LlamaArgs", "ModelSpec", "Transformer", "count_params", "MODELS", "get_model_spec", "model_args",
-           "args_from_config", "spec_of"]
+__all__ = [
+    "LlamaArgs",
+    "ModelSpec",
+    "Transformer",
+    "count_params",
+    "MODELS",
+    "get_model_spec",
+    "model_args",
+    "args_from_config",
+    "spec_of",
+]

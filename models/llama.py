@@ -10,8 +10,8 @@ and `param_init` tells how any single parameter is drawn (for mesh-independent i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

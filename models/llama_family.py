@@ -14,32 +14,69 @@ from .spec import ModelSpec
 FLAVORS: dict[str, LlamaArgs] = {
     # tiny: trains on a CPU in seconds; 4 layers so pp=2 x 2 virtual stages still works
     "debug": LlamaArgs(
-        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
-        rope_theta=10000.0, rope_scaling_factor=None, max_seq_len=512,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        multiple_of=32,
+        rope_theta=10000.0,
+        rope_scaling_factor=None,
+        max_seq_len=512,
     ),
     # Llama-3.2-1B: 1,235,814,400 parameters (tied embeddings)
     "1b": LlamaArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-        multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0,
-        rope_scaling_factor=32.0, max_seq_len=131072, tie_embeddings=True,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000.0,
+        rope_scaling_factor=32.0,
+        max_seq_len=131072,
+        tie_embeddings=True,
     ),
     # Llama-3.2-3B: 3,212,749,824 parameters (tied embeddings)
     "3b": LlamaArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
-        multiple_of=256, ffn_dim_multiplier=1.0, rope_theta=500000.0,
-        rope_scaling_factor=32.0, max_seq_len=131072, tie_embeddings=True,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.0,
+        rope_theta=500000.0,
+        rope_scaling_factor=32.0,
+        max_seq_len=131072,
+        tie_embeddings=True,
     ),
     # Llama-3.1-8B: 8,030,261,248 parameters
     "8b": LlamaArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-        multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
-        rope_scaling_factor=8.0, max_seq_len=131072,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        max_seq_len=131072,
     ),
     # Llama-3.1-70B: 70,553,706,496 parameters
     "70b": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-        multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
-        rope_scaling_factor=8.0, max_seq_len=131072,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        max_seq_len=131072,
     ),
 }
 
@@ -49,34 +86,74 @@ def check(a: LlamaArgs, dims: ParallelDims) -> list[Problem]:
     problems = []
     if a.dim % a.n_heads:
         valid = [a.n_heads * k for k in range(1, a.dim // a.n_heads + 2)]
-        problems.append(Problem("model.dim", a.dim, f"must be divisible by n_heads={a.n_heads}; "
-                                                    f"nearest valid: {nearest(a.dim, valid)}"))
+        problems.append(
+            Problem(
+                "model.dim",
+                a.dim,
+                f"must be divisible by n_heads={a.n_heads}; nearest valid: {nearest(a.dim, valid)}",
+            )
+        )
     if a.n_heads % a.kv_heads:
-        problems.append(Problem("model.n_kv_heads", a.kv_heads,
-                                f"must divide n_heads={a.n_heads}; valid: {nearest(a.kv_heads, divisors(a.n_heads))}"))
+        problems.append(
+            Problem(
+                "model.n_kv_heads",
+                a.kv_heads,
+                f"must divide n_heads={a.n_heads}; valid: {nearest(a.kv_heads, divisors(a.n_heads))}",
+            )
+        )
     tp = dims.tp
     if tp > 1:
         valid_tp = nearest(tp, [d for d in divisors(a.kv_heads) if a.n_heads % d == 0])
         if a.n_heads % tp:
-            problems.append(Problem("mesh.tp", tp, f"n_heads={a.n_heads} is not divisible by tp; valid tp: {valid_tp}"))
+            problems.append(
+                Problem("mesh.tp", tp, f"n_heads={a.n_heads} is not divisible by tp; valid tp: {valid_tp}")
+            )
         if a.kv_heads % tp:
-            problems.append(Problem("mesh.tp", tp, f"n_kv_heads={a.kv_heads} is not divisible by tp (each rank needs "
-                                                   f"whole kv heads, so n_kv_heads >= tp); valid tp: {valid_tp}"))
+            problems.append(
+                Problem(
+                    "mesh.tp",
+                    tp,
+                    f"n_kv_heads={a.kv_heads} is not divisible by tp (each rank needs "
+                    f"whole kv heads, so n_kv_heads >= tp); valid tp: {valid_tp}",
+                )
+            )
         if a.ffn_hidden_dim % tp or a.vocab_size % tp:
-            problems.append(Problem("mesh.tp", tp, f"FFN hidden {a.ffn_hidden_dim} and vocab {a.vocab_size} must "
-                                                   "be divisible by tp"))
+            problems.append(
+                Problem(
+                    "mesh.tp",
+                    tp,
+                    f"FFN hidden {a.ffn_hidden_dim} and vocab {a.vocab_size} must be divisible by tp",
+                )
+            )
         if a.tie_embeddings:
-            problems.append(Problem("model.tie_embeddings", True,
-                                    "tied embeddings with tp > 1 are not supported (embedding and output shard "
-                                    "differently); use mesh.tp=1 or model.tie_embeddings=false"))
+            problems.append(
+                Problem(
+                    "model.tie_embeddings",
+                    True,
+                    "tied embeddings with tp > 1 are not supported (embedding and output shard "
+                    "differently); use mesh.tp=1 or model.tie_embeddings=false",
+                )
+            )
     if dims.pp > 1 and a.tie_embeddings:
-        problems.append(Problem("model.tie_embeddings", True,
-                                "tied embeddings need embedding and output on one pipeline stage; "
-                                "use mesh.pp=1 or model.tie_embeddings=false"))
+        problems.append(
+            Problem(
+                "model.tie_embeddings",
+                True,
+                "tied embeddings need embedding and output on one pipeline stage; "
+                "use mesh.pp=1 or model.tie_embeddings=false",
+            )
+        )
     return problems
 
 
 SPEC = ModelSpec(
-    name="llama3", args_type=LlamaArgs, flavors=FLAVORS, build=Transformer, tp_top_level_plan=top_level_plan, tp_block_plan=block_plan,
-    check=check, interop=llama_hf, jax_twin="meshforge.models.llama_jax",
+    name="llama3",
+    args_type=LlamaArgs,
+    flavors=FLAVORS,
+    build=Transformer,
+    tp_top_level_plan=top_level_plan,
+    tp_block_plan=block_plan,
+    check=check,
+    interop=llama_hf,
+    jax_twin="meshforge.models.llama_jax",
 )

@@ -29,8 +29,11 @@ _HF_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_HF_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+_HF_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -102,18 +105,32 @@ def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.
 def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
     """config.json of the equivalent HF LlamaForCausalLM."""
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads, "num_hidden_layers": args.n_layers, "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "head_dim": args.head_dim, "torch_dtype": dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": args.head_dim,
+        "torch_dtype": dtype,
     }
     if args.rope_scaling_factor is not None:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
-                               "low_freq_factor": args.rope_low_freq_factor,
-                               "high_freq_factor": args.rope_high_freq_factor,
-                               "original_max_position_embeddings": args.rope_original_max_seq_len}
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+        }
     return cfg
 
 
@@ -121,9 +138,14 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
     """LlamaArgs of an HF Llama config.json (FFN width from intermediate_size)."""
     scaling = cfg.get("rope_scaling") or {}
     args = LlamaArgs(
-        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
-        n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"], norm_eps=cfg["rms_norm_eps"],
-        rope_theta=cfg.get("rope_theta", 10000.0), max_seq_len=cfg.get("max_position_embeddings", 8192),
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads"),
+        vocab_size=cfg["vocab_size"],
+        norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        max_seq_len=cfg.get("max_position_embeddings", 8192),
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         rope_scaling_factor=scaling.get("factor") if scaling.get("rope_type") == "llama3" else None,
         rope_low_freq_factor=scaling.get("low_freq_factor", 1.0),
@@ -144,10 +166,23 @@ def read_hf_args(folder: Path) -> LlamaArgs:
 
 def check_compatible(checkpoint_args: LlamaArgs, recipe_args: LlamaArgs) -> list[str]:
     """What differs between a checkpoint's model and the recipe's (empty when they match)."""
-    keys = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps", "rope_theta",
-            "rope_scaling_factor", "tie_embeddings")
-    return [f"{k}: checkpoint {getattr(checkpoint_args, k)}, recipe {getattr(recipe_args, k)}"
-            for k in keys if getattr(checkpoint_args, k) != getattr(recipe_args, k)]
+    keys = (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "ffn_hidden_dim",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling_factor",
+        "tie_embeddings",
+    )
+    return [
+        f"{k}: checkpoint {getattr(checkpoint_args, k)}, recipe {getattr(recipe_args, k)}"
+        for k in keys
+        if getattr(checkpoint_args, k) != getattr(recipe_args, k)
+    ]
 
 
 def save_hf(state: dict[str, torch.Tensor], args: LlamaArgs, out: Path) -> None:
@@ -183,12 +218,16 @@ def name_from_torchtitan(name: str) -> str:
 
 def name_to_torchtitan(name: str) -> str:
     """Our name -> TorchTitan 0.3.0's (its state-dict hooks fuse q/k/v on load)."""
-    return re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", name).replace("output.", "lm_head.")
+    return re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", name).replace(
+        "output.", "lm_head."
+    )
 
 
 def from_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A TorchTitan state dict under our names (its RoPE cache dropped: we recompute it)."""
-    return {name_from_torchtitan(k): v for k, v in state.items() if "rope.cache" not in k and k != "freqs_cis"}
+    return {
+        name_from_torchtitan(k): v for k, v in state.items() if "rope.cache" not in k and k != "freqs_cis"
+    }
 
 
 def to_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

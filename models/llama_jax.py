@@ -66,8 +66,10 @@ def attention(p: dict, prefix: str, x: jax.Array, cos, sin, args: LlamaArgs) -> 
 
 
 def feed_forward(p: dict, prefix: str, x: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, p[f"{prefix}.w1.weight"])) * linear(x, p[f"{prefix}.w3.weight"]),
-                  p[f"{prefix}.w2.weight"])
+    return linear(
+        jax.nn.silu(linear(x, p[f"{prefix}.w1.weight"])) * linear(x, p[f"{prefix}.w3.weight"]),
+        p[f"{prefix}.w2.weight"],
+    )
 
 
 def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
@@ -76,17 +78,25 @@ def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
     h = params["tok_embeddings.weight"][tokens]
     for i in range(args.n_layers):
         pre = f"layers.{i}"
-        h = h + attention(params, f"{pre}.attention", rms_norm(h, params[f"{pre}.attention_norm.weight"],
-                                                              args.norm_eps), cos, sin, args)
-        h = h + feed_forward(params, f"{pre}.feed_forward", rms_norm(h, params[f"{pre}.ffn_norm.weight"],
-                                                                     args.norm_eps))
+        h = h + attention(
+            params,
+            f"{pre}.attention",
+            rms_norm(h, params[f"{pre}.attention_norm.weight"], args.norm_eps),
+            cos,
+            sin,
+            args,
+        )
+        h = h + feed_forward(
+            params, f"{pre}.feed_forward", rms_norm(h, params[f"{pre}.ffn_norm.weight"], args.norm_eps)
+        )
     h = rms_norm(h, params["norm.weight"], args.norm_eps)
     out = params.get("output.weight", params["tok_embeddings.weight"])  # tied: the embedding
     return linear(h, out).astype(jnp.float32)
 
 
-def token_ce_sum(params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs,
-                 ignore_index: int = -100) -> tuple[jax.Array, jax.Array]:
+def token_ce_sum(
+    params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs, ignore_index: int = -100
+) -> tuple[jax.Array, jax.Array]:
     """Sum of token cross-entropies over labels != ignore_index, and how many tokens that is
     (the torch trainer divides the sum by the global batch's token count)."""
     logp = jax.nn.log_softmax(forward(params, tokens, args), axis=-1)
@@ -95,8 +105,9 @@ def token_ce_sum(params: dict, tokens: jax.Array, labels: jax.Array, args: Llama
     return -jnp.sum(jnp.where(mask, picked, 0.0)), mask.sum()
 
 
-def loss_fn(params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs,
-            ignore_index: int = -100) -> jax.Array:
+def loss_fn(
+    params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs, ignore_index: int = -100
+) -> jax.Array:
     """Mean token cross-entropy over labels != ignore_index."""
     total, n = token_ce_sum(params, tokens, labels, args, ignore_index)
     return total / jnp.maximum(n, 1)

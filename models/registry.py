@@ -26,7 +26,9 @@ def spec_of(args: Any) -> ModelSpec:
     for spec in MODELS.values():
         if isinstance(args, spec.args_type):
             return spec
-    raise TypeError(f"{type(args).__name__} is not the args type of any registered family ({', '.join(MODELS)})")
+    raise TypeError(
+        f"{type(args).__name__} is not the args type of any registered family ({', '.join(MODELS)})"
+    )
 
 
 def model_args(name: str, flavor: str, overrides: dict[str, Any] | None = None) -> Any:
@@ -37,5 +39,7 @@ def model_args(name: str, flavor: str, overrides: dict[str, Any] | None = None) 
 
 def args_from_config(cfg: ModelConfig) -> Any:
     """Model args for a recipe's [model] section (flavor + size overrides)."""
-    overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("name", "flavor")}
+    overrides = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("name", "flavor")
+    }
     return model_args(cfg.name, cfg.flavor, overrides)

@@ -3,10 +3,11 @@ and a recipe only (docs/DESIGN.md lists the steps)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 

@@ -20,4 +20,6 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
         return
     for layer_id, block in model.layers.items():
         if cfg.mode == "full" or int(layer_id) % cfg.selective_every == 0:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, preserve_rng_state=False)
+            block.forward = functools.partial(
+                checkpoint, block.forward, use_reentrant=False, preserve_rng_state=False
+            )

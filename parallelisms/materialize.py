@@ -25,9 +25,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         model.init_param(fqn, full, seed)
         full = full.to(device=device, dtype=param.dtype)
         if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(
+                full, param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
             param.to_local().copy_(local)
         else:
             param.copy_(full)
     model.init_buffers(device)
-

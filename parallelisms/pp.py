@@ -10,13 +10,17 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _PipelineSchedule,
+    get_schedule_class,
+)
 
 from meshforge.configs.schema import PPConfig
 from meshforge.core.errors import Problem, nearest
@@ -39,29 +43,59 @@ def check_pipeline(cfg: PPConfig, pp: int, n_layers: int, local_batch: int) -> l
     problems = []
     stages = pp * cfg.stages_per_rank
     if cfg.schedule in SINGLE_STAGE_SCHEDULES and cfg.stages_per_rank != 1:
-        problems.append(Problem("pp.stages_per_rank", cfg.stages_per_rank, f"{cfg.schedule} runs one stage per "
-                                "rank; set 1, or use Interleaved1F1B for virtual stages"))
+        problems.append(
+            Problem(
+                "pp.stages_per_rank",
+                cfg.stages_per_rank,
+                f"{cfg.schedule} runs one stage per rank; set 1, or use Interleaved1F1B for virtual stages",
+            )
+        )
     if cfg.schedule in V_SCHEDULES and cfg.stages_per_rank != 2:
-        problems.append(Problem("pp.stages_per_rank", cfg.stages_per_rank,
-                                f"{cfg.schedule} is a V schedule: it needs exactly 2 stages per rank"))
+        problems.append(
+            Problem(
+                "pp.stages_per_rank",
+                cfg.stages_per_rank,
+                f"{cfg.schedule} is a V schedule: it needs exactly 2 stages per rank",
+            )
+        )
     if cfg.layers_per_stage is not None:
         counts = cfg.layers_per_stage
         if len(counts) != stages or sum(counts) != n_layers or min(counts) < 0:
-            problems.append(Problem("pp.layers_per_stage", counts, f"needs {stages} non-negative counts "
-                                    f"(pp x stages_per_rank) summing to n_layers={n_layers}"))
+            problems.append(
+                Problem(
+                    "pp.layers_per_stage",
+                    counts,
+                    f"needs {stages} non-negative counts "
+                    f"(pp x stages_per_rank) summing to n_layers={n_layers}",
+                )
+            )
     elif n_layers < stages:
-        problems.append(Problem("mesh.pp", pp, f"{stages} pipeline stages but only {n_layers} layers; "
-                                               f"valid pp x stages_per_rank <= {n_layers}"))
+        problems.append(
+            Problem(
+                "mesh.pp",
+                pp,
+                f"{stages} pipeline stages but only {n_layers} layers; "
+                f"valid pp x stages_per_rank <= {n_layers}",
+            )
+        )
     if cfg.microbatches == -1:
         cfg.microbatches = stages
     mb = cfg.microbatches
     if mb < 1:
         problems.append(Problem("pp.microbatches", mb, "must be >= 1"))
     elif local_batch % mb:
-        problems.append(Problem("pp.microbatches", mb, f"must divide the local batch train.micro_batch_size="
-                                                       f"{local_batch}; valid: {nearest(mb, divisors(local_batch))}"))
+        problems.append(
+            Problem(
+                "pp.microbatches",
+                mb,
+                f"must divide the local batch train.micro_batch_size="
+                f"{local_batch}; valid: {nearest(mb, divisors(local_batch))}",
+            )
+        )
     if cfg.schedule == "DualPipeV" and mb < stages:
-        problems.append(Problem("pp.microbatches", mb, f"DualPipeV needs microbatches >= stages = pp x 2 = {stages}"))
+        problems.append(
+            Problem("pp.microbatches", mb, f"DualPipeV needs microbatches >= stages = pp x 2 = {stages}")
+        )
     elif cfg.schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble") and mb < pp:
         problems.append(Problem("pp.microbatches", mb, f"{cfg.schedule} needs microbatches >= pp={pp}"))
     if cfg.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and mb % pp:

@@ -22,11 +22,15 @@ def pipeline_order(schedule) -> dict[int, list[str | None]]:
         # single-stage schedules run their loop directly; their IR (_get_pipeline_order) is
         # not what runs on torch 2.13 (its 1F1B drops the last stage's first forward)
         gpipe = isinstance(schedule, ScheduleGPipe)
-        order = {r: single_stage_actions(r, schedule._num_stages, schedule._n_microbatches, gpipe)
-                 for r in range(schedule._num_stages)}
+        order = {
+            r: single_stage_actions(r, schedule._num_stages, schedule._n_microbatches, gpipe)
+            for r in range(schedule._num_stages)
+        }
     else:
-        order = {r: [str(x) for a in actions if a is not None for x in _leaves(a)]
-                 for r, actions in schedule.pipeline_order.items()}
+        order = {
+            r: [str(x) for a in actions if a is not None for x in _leaves(a)]
+            for r, actions in schedule.pipeline_order.items()
+        }
     return simulate(order)
 
 
@@ -53,7 +57,7 @@ def parse_action(action: str | None) -> tuple[int, str, int] | None:
     if action is None:
         return None
     stage = action[: len(action) - len(action.lstrip("0123456789"))]
-    rest = action[len(stage):]
+    rest = action[len(stage) :]
     if not stage or rest[:1] not in COMPUTE_KINDS or not rest[1:].isdigit():
         return None
     return int(stage), rest[0], int(rest[1:])

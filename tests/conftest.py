@@ -25,12 +25,14 @@ def cli_env(**extra: str) -> dict:
     return env
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None,
-            program: str = "run_recipe") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None, program: str = "run_recipe"
+) -> subprocess.CompletedProcess:
     """Run `run_recipe ARGS` (or `meshforge ARGS`) as a user would, from `cwd`."""
     exe = Path(sys.executable).parent / program
-    return subprocess.run([str(exe), *args], cwd=cwd, env=env or cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(exe), *args], cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -39,8 +41,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 # Small, quick settings shared by the launch tests (one launch per configuration).
 QUICK = [
-    "train.seq_len=32", "train.global_batch_size=16", "train.micro_batch_size=-1", "train.grad_accum_steps=1",
-    "train.max_norm=0.3", "logging.tensorboard=false", "logging.wandb=false", "logging.progress=false",
+    "train.seq_len=32",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=-1",
+    "train.grad_accum_steps=1",
+    "train.max_norm=0.3",
+    "logging.tensorboard=false",
+    "logging.wandb=false",
+    "logging.progress=false",
 ]
 
 

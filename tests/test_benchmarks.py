@@ -8,14 +8,27 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, cli_env
 
 
 def test_runner_overhead_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "runner_overhead.py"), "--rounds", "1",
-                           "--steps", "2", "--out", str(tmp_path)], cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "runner_overhead.py"),
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "runner_overhead.json").read_text())
     assert result["median_step_s"]["bare"] > 0 and result["median_step_s"]["meshforge"] > 0
@@ -37,9 +50,22 @@ def test_recorded_results_are_in_the_repo():
 
 @pytest.mark.slow
 def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fsdp_memory_scaling.py"), "--degrees", "1", "2",
-                           "--out", str(tmp_path)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "fsdp_memory_scaling.py"),
+            "--degrees",
+            "1",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "fsdp_memory_scaling.json").read_text())
     one, two = result["rows"]
@@ -50,9 +76,21 @@ def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
 
 @pytest.mark.slow
 def test_estimator_accuracy_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "estimator_accuracy.py"), "--worlds", "1",
-                           "--out", str(tmp_path)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "estimator_accuracy.py"),
+            "--worlds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "estimator_accuracy.json").read_text())
     assert [r["layout"] for r in result["rows"]] == ["single"]  # the one 1-rank mesh
@@ -64,9 +102,25 @@ def test_estimator_accuracy_benchmark_writes_its_results(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "pipeline_bubble.py"), "--schedules", "GPipe",
-                           "--steps", "3", "--out", str(tmp_path), "model.dim=64", "model.n_heads=4"],
-                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "pipeline_bubble.py"),
+            "--schedules",
+            "GPipe",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+            "model.dim=64",
+            "model.n_heads=4",
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "pipeline_bubble.json").read_text())
     (row,) = result["rows"]

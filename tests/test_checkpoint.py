@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
 from meshforge.run.checkpoint import committed, resolve_load
-
-from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 CKPT = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_latest=0"]
@@ -45,8 +44,15 @@ t.Trainer.train_step, t.cross_entropy_sum = step, ce
 
 
 def _args(out: Path, name: str, *extra: str) -> list[str]:
-    return [str(RECIPES / "debug_cpu.toml"), *ONE_RANK, *QUICK, "train.steps=10", f"output_dir={out}",
-            f"run_name={name}", *extra]
+    return [
+        str(RECIPES / "debug_cpu.toml"),
+        *ONE_RANK,
+        *QUICK,
+        "train.steps=10",
+        f"output_dir={out}",
+        f"run_name={name}",
+        *extra,
+    ]
 
 
 def _hook_env(tmp_path: Path, code: str) -> dict:
@@ -91,8 +97,11 @@ def test_kill_9_of_a_rank_then_resume_gives_the_same_curve(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["mesh.dp_shard=2", "mesh.tp=2"], ["mesh.dp_shard=2", "mesh.pp=2"], []],
-                         ids=["dp2xtp2", "pp2xdp2", "1proc"])
+@pytest.mark.parametrize(
+    "mesh",
+    [["mesh.dp_shard=2", "mesh.tp=2"], ["mesh.dp_shard=2", "mesh.pp=2"], []],
+    ids=["dp2xtp2", "pp2xdp2", "1proc"],
+)
 def test_resume_on_another_mesh(reference, tmp_path, mesh):
     step5 = reference / "checkpoints" / "step-00000005"
     proc = run_cli(_args(tmp_path, "moved", *mesh, f"checkpoint.load={step5}"), cwd=tmp_path)
@@ -128,18 +137,34 @@ def test_nan_stops_the_run_and_keeps_the_checkpoint_before_it(tmp_path):
     info = json.loads((run_dir / "run.json").read_text())
     assert info["status"] == "failed"
     # allowed to skip one bad step, the same run finishes, without applying the NaN update
-    proc = run_cli([*_args(tmp_path, "nan_skip", "mesh.dp_shard=2", "train.max_bad_steps=1")], cwd=tmp_path, env=env)
+    proc = run_cli(
+        [*_args(tmp_path, "nan_skip", "mesh.dp_shard=2", "train.max_bad_steps=1")], cwd=tmp_path, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = read_metrics(tmp_path / "nan_skip")
-    assert rows[3]["loss"] != rows[3]["loss"] and all(r["loss"] == r["loss"] for r in rows[4:])  # NaN only at 4
+    assert rows[3]["loss"] != rows[3]["loss"] and all(
+        r["loss"] == r["loss"] for r in rows[4:]
+    )  # NaN only at 4
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(tmp_path):
-    args = _args(tmp_path, "term", "train.steps=100000", "checkpoint.enabled=true", "checkpoint.interval=100000",
-                 "checkpoint.save_at_end=false")
+    args = _args(
+        tmp_path,
+        "term",
+        "train.steps=100000",
+        "checkpoint.enabled=true",
+        "checkpoint.interval=100000",
+        "checkpoint.save_at_end=false",
+    )
     exe = Path(sys.executable).parent / "run_recipe"
-    proc = subprocess.Popen([str(exe), *args], cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(exe), *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "term" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while (not metrics.exists() or metrics.read_text().count("\n") < 3) and time.monotonic() < deadline:
@@ -155,8 +180,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(tmp_path):
 
 
 def test_unwritable_checkpoint_folder_fails_before_training(tmp_path):
-    proc = run_cli(_args(tmp_path, "ro", "checkpoint.enabled=true", "checkpoint.folder=/proc/meshforge-ckpt"),
-                   cwd=tmp_path)
+    proc = run_cli(
+        _args(tmp_path, "ro", "checkpoint.enabled=true", "checkpoint.folder=/proc/meshforge-ckpt"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1 and "not writable" in proc.stderr and "checkpoint.folder" in proc.stderr
     assert not (tmp_path / "ro" / "metrics.jsonl").exists()
 
@@ -169,18 +196,28 @@ def test_seed_checkpoint_and_safetensors_export(tmp_path):
     from meshforge.recipe import load_recipe
     from meshforge.run.trainer import Trainer
 
-    proc = run_cli(["init", str(RECIPES / "debug_cpu.toml"), "--out", str(tmp_path / "seed")], cwd=tmp_path,
-                   program="meshforge")
+    proc = run_cli(
+        ["init", str(RECIPES / "debug_cpu.toml"), "--out", str(tmp_path / "seed")],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stderr
     common = [*ONE_RANK, *QUICK, "train.steps=3", f"output_dir={tmp_path}", *CKPT]
-    seeded = Trainer(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=s", "seed=99",
-                                                              f"checkpoint.init_from={tmp_path / 'seed'}"]))
+    seeded = Trainer(
+        load_recipe(
+            RECIPES / "debug_cpu.toml",
+            [*common, "run_name=s", "seed=99", f"checkpoint.init_from={tmp_path / 'seed'}"],
+        )
+    )
     plain = Trainer(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=p"]))
     for (n, a), b in zip(seeded.pmodel.parts[0].named_parameters(), plain.pmodel.parts[0].parameters()):
         assert torch.equal(a, b), n  # seed 99 was overridden by the seed checkpoint (made with seed 0)
     plain.run()
-    proc = run_cli(["export", str(tmp_path / "p" / "checkpoints"), str(tmp_path / "export")], cwd=tmp_path,
-                   program="meshforge")
+    proc = run_cli(
+        ["export", str(tmp_path / "p" / "checkpoints"), str(tmp_path / "export")],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stderr
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     trained = plain.pmodel.parts[0].state_dict()

@@ -52,7 +52,11 @@ def test_invalid_toml_and_missing_files(tmp_path):
 def test_a_recipe_this_machine_cannot_run_is_refused_before_starting(tmp_path):
     proc = run_cli([str(RECIPES / "llm_1b.toml")], cwd=tmp_path)  # wants 8 GPUs; this machine has none
     assert proc.returncode == 2
-    assert "no GPU is visible" in proc.stderr and "train.device=cpu" in proc.stderr and "--dry-run" in proc.stderr
+    assert (
+        "no GPU is visible" in proc.stderr
+        and "train.device=cpu" in proc.stderr
+        and "--dry-run" in proc.stderr
+    )
     proc = run_cli([str(RECIPES / "llm_1b.toml"), "train.device=cpu"], cwd=tmp_path)
     assert proc.returncode == 2 and "shrink the model" in proc.stderr
     assert not (tmp_path / "outputs").exists()
@@ -70,8 +74,21 @@ def test_explain_documents_fields(tmp_path):
 
 
 def test_estimate_every_mesh_of_a_world(tmp_path):
-    proc = run_cli(["estimate", str(RECIPES / "llm_8b.toml"), "--world", "16", "--all-meshes", "--analytic",
-                    "--device-memory", "80GiB"], cwd=tmp_path, program="meshforge", timeout=120)
+    proc = run_cli(
+        [
+            "estimate",
+            str(RECIPES / "llm_8b.toml"),
+            "--world",
+            "16",
+            "--all-meshes",
+            "--analytic",
+            "--device-memory",
+            "80GiB",
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("│ ")}
     assert "7.48" in lines["dp8-tp2"] and "yes" in lines["dp8-tp2"]  # 16 B/param / 16 shards of 8.03B

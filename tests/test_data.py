@@ -16,7 +16,7 @@ def test_markov_floor_is_the_true_models_cross_entropy():
     tokens = src.batch(range(64))  # (64, 257)
     p = src.transition[tokens[:, :-1], tokens[:, 1:]]
     empirical = float(-p.log().mean())
-    assert 0.5 < src.entropy_rate() < 4 ** 0.5  # 4 successors: below log(4) = 1.386
+    assert 0.5 < src.entropy_rate() < 4**0.5  # 4 successors: below log(4) = 1.386
     assert abs(empirical - src.entropy_rate()) < 0.03
     assert (p > 0).all()  # every step follows the chain
 
@@ -77,11 +77,15 @@ def test_hf_tokenizer_json_and_local_datasets(tmp_path):
     tok_path, vocab = _train_tokenizer(tmp_path, corpus)
     rows = tmp_path / "train.jsonl"
     rows.write_text("\n".join(json.dumps({"content": t}) for t in corpus))
-    cfg = DataConfig(source="hf", path=str(rows), hf_format="json", text_column="content", tokenizer=str(tok_path))
+    cfg = DataConfig(
+        source="hf", path=str(rows), hf_format="json", text_column="content", tokenizer=str(tok_path)
+    )
     src = build_source(cfg, vocab_size=vocab, seq_len=16)
     assert src.batch([0, 1]).shape == (2, 17)
     assert int(src.tokens.max()) < vocab
     with pytest.raises(ValueError, match=f"set model.vocab_size={vocab}"):
         build_source(cfg, vocab_size=vocab - 1, seq_len=16)
     with pytest.raises(KeyError, match="data.text_column"):
-        build_source(DataConfig(source="hf", path=str(rows), hf_format="json", tokenizer=str(tok_path)), vocab, 16)
+        build_source(
+            DataConfig(source="hf", path=str(rows), hf_format="json", tokenizer=str(tok_path)), vocab, 16
+        )

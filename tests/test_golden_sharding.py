@@ -11,11 +11,10 @@ import json
 import os
 
 import pytest
+from conftest import RECIPES
 
 from meshforge.recipe import load_recipe
 from meshforge.simulate.sharding import all_placements
-
-from conftest import RECIPES
 
 GOLDEN = RECIPES.parent / "tests" / "golden"
 RECIPE_FILES = sorted(RECIPES.rglob("*.toml"))  # recursive: sub-folders count too
@@ -30,8 +29,9 @@ def test_sharding_matches_golden(path):
     assert golden.is_file(), f"no golden file for {path.name}: run with MESHFORGE_UPDATE_GOLDEN=1"
     expected = golden.read_text()
     if got != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), got.splitlines(True),
-                                            "golden", "now", n=1))
+        diff = "".join(
+            difflib.unified_diff(expected.splitlines(True), got.splitlines(True), "golden", "now", n=1)
+        )
         pytest.fail(f"sharding plan of {path.name} changed:\n{diff[:6000]}")
 
 
@@ -43,6 +43,9 @@ def test_golden_files_show_the_3d_layout():
     assert debug["0"]["layers.0.attention.wq.weight"].startswith("stage 0: _S(0, 2),S(0) on (dp_shard,tp)")
     assert debug["7"]["output.weight"].startswith("stage 1:")
     one_b = json.loads((GOLDEN / "sharding_llm_1b.json").read_text())
-    assert one_b["3"]["tok_embeddings.weight"] == "S(0) on (dp_shard) local [16032, 2048] of [128256, 2048] at [48096, 0]"
+    assert (
+        one_b["3"]["tok_embeddings.weight"]
+        == "S(0) on (dp_shard) local [16032, 2048] of [128256, 2048] at [48096, 0]"
+    )
     # FSDP inside TP: rank 3 is (dp_shard 1, tp 1): the second quarter-row block of the second TP half
     assert debug["3"]["layers.0.attention.wq.weight"].endswith("local [16, 64] of [64, 64] at [48, 0]")

@@ -9,25 +9,35 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax  # noqa: E402  (the `jax` extra; the test extra includes it)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-import jax  # noqa: E402  (the `jax` extra; the test extra includes it)
-import jax.numpy as jnp  # noqa: E402
+from conftest import QUICK, RECIPES, run_cli  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from conftest import QUICK, RECIPES, run_cli  # noqa: E402
 from meshforge.jax import bridge as jax_bridge  # noqa: E402
 from meshforge.models import llama_hf as interop  # noqa: E402
-from meshforge.run import weights  # noqa: E402
 from meshforge.models import llama_jax  # noqa: E402
 from meshforge.models.llama import LlamaArgs, Transformer  # noqa: E402
+from meshforge.run import weights  # noqa: E402
 
 # GQA (4 query heads, 2 kv heads) and Llama 3 RoPE scaling with a short original context,
 # so the scaling changes real frequencies in a 64-token test
-ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=128,
-                 rope_theta=10000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=32, norm_eps=1e-5)
+ARGS = LlamaArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    multiple_of=32,
+    max_seq_len=128,
+    rope_theta=10000.0,
+    rope_scaling_factor=8.0,
+    rope_original_max_seq_len=32,
+    norm_eps=1e-5,
+)
 
 
 def sharp_model(args: LlamaArgs = ARGS) -> Transformer:
@@ -60,7 +70,10 @@ def test_parity_fails_on_the_classic_bugs(monkeypatch):
     bad = jax_bridge.run_parity(model, ARGS, TOKENS, params=jax_bridge.state_to_pytree(unpermuted))
     assert not bad.within("float32") and bad.max_abs_logit_diff > 1e-2, bad
     # 2. a wrong RMSNorm eps, 3. Llama 3 RoPE scaling ignored
-    for wrong in (LlamaArgs(**{**vars(ARGS), "norm_eps": 1e-2}), LlamaArgs(**{**vars(ARGS), "rope_scaling_factor": None})):
+    for wrong in (
+        LlamaArgs(**{**vars(ARGS), "norm_eps": 1e-2}),
+        LlamaArgs(**{**vars(ARGS), "rope_scaling_factor": None}),
+    ):
         bad = jax_bridge.run_parity(sharp_model(), wrong, TOKENS)
         assert not bad.within("float32"), (wrong, bad)
     # 4. GQA kv heads tiled (h -> h % KVH) instead of repeated (h -> h // n_rep)
@@ -82,6 +95,7 @@ def test_parity_fails_on_the_classic_bugs(monkeypatch):
 
 def test_hf_export_runs_in_transformers_with_the_same_logits(tmp_path):
     import transformers
+
     model = sharp_model()
     interop.save_hf(model.state_dict(), ARGS, tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
@@ -113,11 +127,14 @@ def test_placements_map_to_partition_specs():
 
     names = ("dp_shard", "tp")
     # FSDP over TP: FSDP's rows are a strided split inside each TP shard
-    assert jax_bridge.placements_to_spec((_StridedShard(0, split_factor=2), Shard(0)), names, 2) == P(("tp", "dp_shard"))
+    assert jax_bridge.placements_to_spec((_StridedShard(0, split_factor=2), Shard(0)), names, 2) == P(
+        ("tp", "dp_shard")
+    )
     assert jax_bridge.placements_to_spec((Shard(0), Shard(1)), names, 2) == P("dp_shard", "tp")
     assert jax_bridge.placements_to_spec((Shard(0), Replicate()), names, 2) == P("dp_shard")
-    assert jax_bridge.placements_to_spec((Replicate(), Shard(0), Shard(0)), ("dp_replicate", *names), 1) == \
-        P(("dp_shard", "tp"))
+    assert jax_bridge.placements_to_spec((Replicate(), Shard(0), Shard(0)), ("dp_replicate", *names), 1) == P(
+        ("dp_shard", "tp")
+    )
     with pytest.raises(ValueError, match="pending reduction"):
         jax_bridge.placements_to_spec((Shard(0), Partial()), names, 2)
     mesh = jax_bridge.jax_mesh({"dp_replicate": 1, "dp_shard": 4, "tp": 2})
@@ -150,7 +167,9 @@ def test_fsdp_tp_shards_land_on_the_same_jax_devices():
             s = slices[fqn]
             _, rep, shard, tp = s["coordinate"]
             expected = full[tuple(slice(o, o + n) for o, n in zip(s["offset"], s["shape"]))]
-            np.testing.assert_array_equal(on_device[mesh.devices[rep, shard, tp]], expected, err_msg=f"{fqn} rank {rank}")
+            np.testing.assert_array_equal(
+                on_device[mesh.devices[rep, shard, tp]], expected, err_msg=f"{fqn} rank {rank}"
+            )
     assert P(("tp", "dp_shard")) in specs and P("dp_shard", "tp") in specs  # colwise and rowwise weights
 
 
@@ -173,8 +192,16 @@ def test_the_same_recipe_trains_in_jax_and_matches_torch(tmp_path):
     """FSDP 2 x TP 2 in torch (4 gloo processes) and backend=jax (4 JAX devices, the torch
     run's shardings): 20 fp32 steps from the same init and data, losses within 1e-4;
     `meshforge compare` shows both runs and checks their parity."""
-    common = [str(RECIPES / "debug_cpu.toml"), "mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2", "train.steps=20",
-              "logging.progress=false", "logging.wandb=false", f"output_dir={tmp_path}"]
+    common = [
+        str(RECIPES / "debug_cpu.toml"),
+        "mesh.pp=1",
+        "mesh.dp_shard=2",
+        "mesh.tp=2",
+        "train.steps=20",
+        "logging.progress=false",
+        "logging.wandb=false",
+        f"output_dir={tmp_path}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the device count itself
     from conftest import cli_env
 
@@ -185,14 +212,28 @@ def test_the_same_recipe_trains_in_jax_and_matches_torch(tmp_path):
 
     torch_rows, jax_rows = read_metrics(tmp_path / "torch"), read_metrics(tmp_path / "jax")
     assert [r["step"] for r in jax_rows] == list(range(1, 21)) and set(torch_rows[0]) <= set(jax_rows[0]) | {
-        k for k in torch_rows[0] if k.startswith("mem_breakdown/")}
+        k for k in torch_rows[0] if k.startswith("mem_breakdown/")
+    }
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(torch_rows, jax_rows)) <= 1e-4
     assert jax_rows[-1]["loss"] < jax_rows[0]["loss"] - 1.0  # it trains
     info = json.loads((tmp_path / "jax" / "run.json").read_text())
     assert info["backend"] == "jax" and info["status"] == "finished"
     assert info["param_specs"]["layers.0.attention.wq.weight"] == str(P(("tp", "dp_shard")))
-    proc = run_cli(["compare", str(tmp_path / "torch"), str(tmp_path / "jax"), "--baseline", "torch", "--tol", "1e-4",
-                    "--out", str(tmp_path / "plots")], cwd=tmp_path, program="meshforge")
+    proc = run_cli(
+        [
+            "compare",
+            str(tmp_path / "torch"),
+            str(tmp_path / "jax"),
+            "--baseline",
+            "torch",
+            "--tol",
+            "1e-4",
+            "--out",
+            str(tmp_path / "plots"),
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "jax" in proc.stdout and (tmp_path / "plots" / "loss_vs_step.png").exists()
 
@@ -207,12 +248,16 @@ def test_import_export_every_format_round_trips_bit_exactly(tmp_path):
     """A seed checkpoint exported to hf / torchtitan / safetensors / jax and imported back
     into the recipe's model gives the same weights, bit for bit."""
     from meshforge.convert import export_checkpoint, import_weights
-    from meshforge.run.checkpoint import load_full_model, resolve_load
     from meshforge.models import args_from_config, get_model_spec
     from meshforge.recipe import load_recipe
+    from meshforge.run.checkpoint import load_full_model, resolve_load
 
-    assert run_cli(["init", "debug_cpu", "--out", str(tmp_path / "seed")], cwd=tmp_path,
-                   program="meshforge").returncode == 0
+    assert (
+        run_cli(
+            ["init", "debug_cpu", "--out", str(tmp_path / "seed")], cwd=tmp_path, program="meshforge"
+        ).returncode
+        == 0
+    )
     seed = resolve_load(str(tmp_path / "seed"), tmp_path / "seed")
     original, _, _ = load_full_model(seed)
     recipe = load_recipe("debug_cpu", [])
@@ -222,36 +267,85 @@ def test_import_export_every_format_round_trips_bit_exactly(tmp_path):
         import_weights(back, tmp_path / fmt, fmt)
         for (name, a), b in zip(original.named_parameters(), back.parameters()):
             assert torch.equal(a, b), (fmt, name)
-    proc = run_cli(["import", str(tmp_path / "hf"), "--from", "hf", "debug_cpu", "--out", str(tmp_path / "back")],
-                   cwd=tmp_path, program="meshforge")
+    proc = run_cli(
+        ["import", str(tmp_path / "hf"), "--from", "hf", "debug_cpu", "--out", str(tmp_path / "back")],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     back, _, meta = load_full_model(resolve_load(str(tmp_path / "back"), tmp_path / "back"))
-    assert meta["format"] == "hf" and all(torch.equal(a, b) for a, b in zip(original.parameters(), back.parameters()))
-    proc = run_cli(["import", str(tmp_path / "hf"), "--from", "hf", "debug_cpu", "model.dim=128", "--out",
-                    str(tmp_path / "bad")], cwd=tmp_path, program="meshforge")
+    assert meta["format"] == "hf" and all(
+        torch.equal(a, b) for a, b in zip(original.parameters(), back.parameters())
+    )
+    proc = run_cli(
+        [
+            "import",
+            str(tmp_path / "hf"),
+            "--from",
+            "hf",
+            "debug_cpu",
+            "model.dim=128",
+            "--out",
+            str(tmp_path / "bad"),
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 2 and "dim: checkpoint 64, recipe 128" in proc.stderr
 
 
 def test_a_sharded_run_starts_from_hf_weights_reading_only_its_shards(tmp_path):
     """checkpoint.init_from_hf on FSDP 2 x TP 2: every rank reads its slices (q/k un-permuted
     by head) and training matches a run started from the same weights' seed checkpoint."""
-    assert run_cli(["init", "debug_cpu", "--out", str(tmp_path / "seed")], cwd=tmp_path,
-                   program="meshforge").returncode == 0
-    assert run_cli(["export", str(tmp_path / "seed"), "--to", "hf", str(tmp_path / "hf")], cwd=tmp_path,
-                   program="meshforge").returncode == 0
-    common = [str(RECIPES / "debug_cpu.toml"), *QUICK, "mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2", "train.steps=3",
-              "seed=7", f"output_dir={tmp_path}"]  # seed 7: its own init would differ
-    for name, init in (("from-hf", f"checkpoint.init_from_hf={tmp_path / 'hf'}"),
-                       ("from-seed", f"checkpoint.init_from={tmp_path / 'seed'}")):
+    assert (
+        run_cli(
+            ["init", "debug_cpu", "--out", str(tmp_path / "seed")], cwd=tmp_path, program="meshforge"
+        ).returncode
+        == 0
+    )
+    assert (
+        run_cli(
+            ["export", str(tmp_path / "seed"), "--to", "hf", str(tmp_path / "hf")],
+            cwd=tmp_path,
+            program="meshforge",
+        ).returncode
+        == 0
+    )
+    common = [
+        str(RECIPES / "debug_cpu.toml"),
+        *QUICK,
+        "mesh.pp=1",
+        "mesh.dp_shard=2",
+        "mesh.tp=2",
+        "train.steps=3",
+        "seed=7",
+        f"output_dir={tmp_path}",
+    ]  # seed 7: its own init would differ
+    for name, init in (
+        ("from-hf", f"checkpoint.init_from_hf={tmp_path / 'hf'}"),
+        ("from-seed", f"checkpoint.init_from={tmp_path / 'seed'}"),
+    ):
         proc = run_cli([*common, f"run_name={name}", init], cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
     from conftest import read_metrics
 
     a, b = read_metrics(tmp_path / "from-hf"), read_metrics(tmp_path / "from-seed")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    proc = run_cli([*common, "run_name=x", f"checkpoint.init_from_hf={tmp_path / 'hf'}", "model.n_layers=2",
-                    "--dry-run"], cwd=tmp_path)
-    assert proc.returncode == 2 and "checkpoint.init_from_hf" in proc.stderr and "n_layers: checkpoint 4" in proc.stderr
+    proc = run_cli(
+        [
+            *common,
+            "run_name=x",
+            f"checkpoint.init_from_hf={tmp_path / 'hf'}",
+            "model.n_layers=2",
+            "--dry-run",
+        ],
+        cwd=tmp_path,
+    )
+    assert (
+        proc.returncode == 2
+        and "checkpoint.init_from_hf" in proc.stderr
+        and "n_layers: checkpoint 4" in proc.stderr
+    )
 
 
 def test_jax_devices_read_only_their_own_slices(tmp_path):
@@ -263,7 +357,11 @@ def test_jax_devices_read_only_their_own_slices(tmp_path):
     interop.save_hf(model.state_dict(), ARGS, tmp_path / "hf")
     reader = weights.WeightReader(tmp_path / "hf", ARGS, "hf")
     mesh = jax_bridge.jax_mesh({"dp_replicate": 1, "dp_shard": 4, "tp": 2})
-    names = ["layers.0.attention.wq.weight", "layers.0.attention.wk.weight", "layers.1.feed_forward.w2.weight"]
+    names = [
+        "layers.0.attention.wq.weight",
+        "layers.0.attention.wk.weight",
+        "layers.1.feed_forward.w2.weight",
+    ]
     specs = [P(("tp", "dp_shard")), P(("tp", "dp_shard")), P("dp_shard", "tp")]
     reads = []
     original = reader.read
@@ -286,18 +384,33 @@ def test_every_shard_of_an_8_rank_gloo_run_matches_its_jax_device(tmp_path):
 
     from jax.sharding import NamedSharding
 
-    from meshforge.run.checkpoint import SafeFileSystemReader, resolve_load
     from meshforge.recipe import load_recipe
+    from meshforge.run.checkpoint import SafeFileSystemReader, resolve_load
     from meshforge.simulate.estimate import trace_pool
     from meshforge.simulate.sharding import rank_slices
 
     mesh_args = ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=2"]
-    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, *mesh_args, "train.steps=2", "checkpoint.enabled=true",
-                    "checkpoint.interval=2", f"output_dir={tmp_path}", "run_name=r"], cwd=tmp_path)
+    proc = run_cli(
+        [
+            str(RECIPES / "debug_cpu.toml"),
+            *QUICK,
+            *mesh_args,
+            "train.steps=2",
+            "checkpoint.enabled=true",
+            "checkpoint.interval=2",
+            f"output_dir={tmp_path}",
+            "run_name=r",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = resolve_load(str(tmp_path / "r" / "checkpoints"), tmp_path / "r" / "checkpoints")
-    assert run_cli(["export", str(ckpt), "--to", "jax", str(tmp_path / "jax")], cwd=tmp_path,
-                   program="meshforge").returncode == 0
+    assert (
+        run_cli(
+            ["export", str(ckpt), "--to", "jax", str(tmp_path / "jax")], cwd=tmp_path, program="meshforge"
+        ).returncode
+        == 0
+    )
     params = jax_bridge.load_pytree(tmp_path / "jax" / "params")
     with trace_pool(1) as pool:
         slices = pool.submit(rank_slices, load_recipe(RECIPES / "debug_cpu.toml", mesh_args), 0).result()
@@ -343,10 +456,29 @@ def test_a_torchtitan_dcp_checkpoint_imports_into_the_recipe(tmp_path):
     state = {k: v for k, v in titan.state_dict().items() if "rope.cache" not in k}
     with _single_process():
         dcp.save(state, checkpoint_id=str(tmp_path / "titan"))
-    size = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16", "model.vocab_size=2048",
-            "model.multiple_of=256", "model.max_seq_len=1024"]
-    proc = run_cli(["import", str(tmp_path / "titan"), "--from", "torchtitan", "debug_cpu", *size, "--out",
-                    str(tmp_path / "seed")], cwd=tmp_path, program="meshforge")
+    size = [
+        "model.dim=256",
+        "model.n_layers=6",
+        "model.n_heads=16",
+        "model.n_kv_heads=16",
+        "model.vocab_size=2048",
+        "model.multiple_of=256",
+        "model.max_seq_len=1024",
+    ]
+    proc = run_cli(
+        [
+            "import",
+            str(tmp_path / "titan"),
+            "--from",
+            "torchtitan",
+            "debug_cpu",
+            *size,
+            "--out",
+            str(tmp_path / "seed"),
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     model, _, _ = load_full_model(resolve_load(str(tmp_path / "seed"), tmp_path / "seed"))
     ours = model.state_dict()

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
@@ -34,8 +33,20 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     (hook / "sitecustomize.py").write_text(FAULT)
     env = cli_env(PYTHONPATH=str(hook))
     start = time.monotonic()
-    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, "mesh.pp=1", "mesh.tp=2", "train.steps=50",
-                    f"output_dir={tmp_path}", "run_name=fail"], cwd=tmp_path, env=env, timeout=300)
+    proc = run_cli(
+        [
+            str(RECIPES / "debug_cpu.toml"),
+            *QUICK,
+            "mesh.pp=1",
+            "mesh.tp=2",
+            "train.steps=50",
+            f"output_dir={tmp_path}",
+            "run_name=fail",
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr and "injected failure on rank 1" in proc.stderr
@@ -51,13 +62,40 @@ def test_two_torchrun_agents_make_one_job(tmp_path):
     """Two 'nodes' (two torchrun agents, c10d rendezvous on 127.0.0.1), 2 processes each."""
     torchrun = Path(sys.executable).parent / "torchrun"
     port = 29500 + (hash(str(tmp_path)) % 1000)
-    args = [str(RECIPES / "debug_cpu.toml"), *QUICK, "mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2",
-            "train.steps=5", f"output_dir={tmp_path}", "run_name=two_nodes"]
-    cmd = [str(torchrun), "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "meshforge-test", "--local_addr", "127.0.0.1",
-           "-m", "meshforge.cli", *args]
-    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+    args = [
+        str(RECIPES / "debug_cpu.toml"),
+        *QUICK,
+        "mesh.pp=1",
+        "mesh.dp_shard=2",
+        "mesh.tp=2",
+        "train.steps=5",
+        f"output_dir={tmp_path}",
+        "run_name=two_nodes",
+    ]
+    cmd = [
+        str(torchrun),
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        "meshforge-test",
+        "--local_addr",
+        "127.0.0.1",
+        "-m",
+        "meshforge.cli",
+        *args,
+    ]
+    nodes = [
+        subprocess.Popen(
+            cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     info = json.loads((tmp_path / "two_nodes" / "run.json").read_text())

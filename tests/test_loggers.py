@@ -22,7 +22,9 @@ def test_mode_is_recipe_then_env_then_key(monkeypatch, tmp_path):
     assert wandb_mode(LoggingConfig(wandb_mode="offline")) == "offline"  # the recipe wins
     monkeypatch.delenv("WANDB_API_KEY")
     monkeypatch.delenv("WANDB_MODE")
-    (Path(tmp_path) / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "y" * 40 + "\n")
+    (Path(tmp_path) / ".netrc").write_text(
+        "machine api.wandb.ai\n  login user\n  password " + "y" * 40 + "\n"
+    )
     assert wandb_mode(LoggingConfig()) == "online"
 
 

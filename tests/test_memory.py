@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import QUICK, RECIPES, read_metrics, run_cli
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
@@ -18,8 +17,18 @@ THREE_D = ["mesh.dp_shard=2", "mesh.tp=2", "mesh.pp=2", "train.steps=3", "loggin
 def three_d(tmp_path_factory):
     """The default 3-D mesh (FSDP 2 x TP 2 x PP 2, 8 processes), 3 steps, step 2 tracked."""
     out = tmp_path_factory.mktemp("mem3d")
-    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, *THREE_D, f"output_dir={out}", "run_name=m",
-                    "logging.progress=true"], cwd=out, timeout=400)
+    proc = run_cli(
+        [
+            str(RECIPES / "debug_cpu.toml"),
+            *QUICK,
+            *THREE_D,
+            f"output_dir={out}",
+            "run_name=m",
+            "logging.progress=true",
+        ],
+        cwd=out,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "m", proc
 
@@ -68,14 +77,31 @@ def test_traced_estimate_is_within_5_percent_of_the_measured_peak(three_d):
 @pytest.mark.slow
 def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
     """The issue's 'done when': every valid 8-rank layout of llm_1b, traced on a CPU, with a fit verdict."""
-    proc = run_cli(["estimate", str(RECIPES / "llm_1b.toml"), "--world", "8", "--all-meshes",
-                    "--device-memory", "80GiB"], cwd=tmp_path, program="meshforge", timeout=300)
+    proc = run_cli(
+        [
+            "estimate",
+            str(RECIPES / "llm_1b.toml"),
+            "--world",
+            "8",
+            "--all-meshes",
+            "--device-memory",
+            "80GiB",
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-            for line in proc.stdout.splitlines() if line.startswith("│ ")}
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in proc.stdout.splitlines()
+        if line.startswith("│ ")
+    }
     assert set(rows) == {"dp8", "dprep2-dp4", "dprep4-dp2", "dprep8"}  # tied embeddings refuse tp and pp
     peak = {k: float(v[0]) for k, v in rows.items()}
-    assert peak["dp8"] < peak["dprep2-dp4"] < peak["dprep4-dp2"] < peak["dprep8"]  # less sharding, more memory
+    assert (
+        peak["dp8"] < peak["dprep2-dp4"] < peak["dprep4-dp2"] < peak["dprep8"]
+    )  # less sharding, more memory
     assert all(v[-1] == "yes" for v in rows.values())
     # optimizer state: 2 fp32 moments of 1,235,814,400 params, sharded 8 ways on dp8
     assert float(rows["dp8"][4]) == pytest.approx(2 * 4 * 1_235_814_400 / 8 / 2**30, abs=0.01)
@@ -85,12 +111,22 @@ def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
 def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
     """An OOM on step 3 (simulated: CPU runs cannot hit CUDA's) ends the run non-zero with rank,
     phase and estimate, and leaves the steps before it on record."""
-    from meshforge.recipe import load_recipe
     from meshforge.core.errors import OutOfMemory
+    from meshforge.recipe import load_recipe
     from meshforge.run.trainer import Trainer
 
-    recipe = load_recipe(RECIPES / "debug_cpu.toml", ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", *QUICK,
-                                                      "train.steps=5", f"output_dir={tmp_path}", "run_name=oom"])
+    recipe = load_recipe(
+        RECIPES / "debug_cpu.toml",
+        [
+            "mesh.dp_shard=1",
+            "mesh.tp=1",
+            "mesh.pp=1",
+            *QUICK,
+            "train.steps=5",
+            f"output_dir={tmp_path}",
+            "run_name=oom",
+        ],
+    )
     trainer = Trainer(recipe)
     real_step = trainer.train_step
 

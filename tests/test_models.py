@@ -10,12 +10,15 @@ from meshforge.models import LlamaArgs, Transformer, count_params, model_args
 from meshforge.parallelisms.pp import split_model, stage_layout
 
 
-@pytest.mark.parametrize("flavor, expected", [
-    ("1b", 1_235_814_400),   # Llama-3.2-1B (tied embeddings)
-    ("3b", 3_212_749_824),   # Llama-3.2-3B (tied embeddings)
-    ("8b", 8_030_261_248),   # Llama-3.1-8B
-    ("70b", 70_553_706_496),  # Llama-3.1-70B
-])
+@pytest.mark.parametrize(
+    "flavor, expected",
+    [
+        ("1b", 1_235_814_400),  # Llama-3.2-1B (tied embeddings)
+        ("3b", 3_212_749_824),  # Llama-3.2-3B (tied embeddings)
+        ("8b", 8_030_261_248),  # Llama-3.1-8B
+        ("70b", 70_553_706_496),  # Llama-3.1-70B
+    ],
+)
 def test_published_parameter_counts(flavor, expected):
     with torch.device("meta"):
         model = Transformer(model_args("llama3", flavor))
@@ -32,10 +35,20 @@ def test_module_names_follow_torchtitan():
     with torch.device("meta"):
         model = Transformer(model_args("llama3", "debug"))
     names = {n for n, _ in model.named_parameters()}
-    for n in ["tok_embeddings.weight", "norm.weight", "output.weight", "layers.3.attention.wq.weight",
-              "layers.0.attention.wk.weight", "layers.0.attention.wv.weight", "layers.0.attention.wo.weight",
-              "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight",
-              "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"]:
+    for n in [
+        "tok_embeddings.weight",
+        "norm.weight",
+        "output.weight",
+        "layers.3.attention.wq.weight",
+        "layers.0.attention.wk.weight",
+        "layers.0.attention.wv.weight",
+        "layers.0.attention.wo.weight",
+        "layers.0.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.0.feed_forward.w3.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.ffn_norm.weight",
+    ]:
         assert n in names
     assert list(model.layers.keys()) == ["0", "1", "2", "3"]
 
@@ -84,7 +97,9 @@ def test_init_is_seeded_and_per_parameter():
 
 
 def test_tied_embeddings_share_one_tensor():
-    args = LlamaArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64, multiple_of=16, tie_embeddings=True, max_seq_len=16)
+    args = LlamaArgs(
+        dim=32, n_layers=1, n_heads=2, vocab_size=64, multiple_of=16, tie_embeddings=True, max_seq_len=16
+    )
     model = Transformer(args)
     assert model.output.weight is model.tok_embeddings.weight
     assert count_params(model) == 64 * 32 + 32 * 32 * 4 + 3 * 32 * model.args.ffn_hidden_dim + 3 * 32
@@ -113,11 +128,24 @@ def test_logits_match_torchtitan():
                 p.uniform_(0.5, 1.5)
         for layer in titan.layers.values():  # sharpen attention: nearly flat logits hide bugs
             layer.attention.qkv_linear.wqkv.weight.mul_(3.0)
-    ours = Transformer(LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256,
-                                 rope_theta=500000.0, rope_scaling_factor=8.0, max_seq_len=1024))
+    ours = Transformer(
+        LlamaArgs(
+            dim=256,
+            n_layers=6,
+            n_heads=16,
+            vocab_size=2048,
+            multiple_of=256,
+            rope_theta=500000.0,
+            rope_scaling_factor=8.0,
+            max_seq_len=1024,
+        )
+    )
     # TorchTitan 0.3.0 names: fused q/k/v unfused by its state-dict hooks, lm_head for output
-    renamed = {k.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output."): v
-               for k, v in titan.state_dict().items() if "rope.cache" not in k}
+    renamed = {
+        k.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output."): v
+        for k, v in titan.state_dict().items()
+        if "rope.cache" not in k
+    }
     missing, unexpected = ours.load_state_dict(renamed, strict=False)
     assert not unexpected and not [m for m in missing if m != "freqs_cis"]
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import QUICK, RECIPES, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
@@ -17,7 +16,9 @@ STEPS = 10
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 KV4 = ["model.n_kv_heads=4"]  # tp=4 needs 4 kv heads; compared with a 1-rank run of the same model
 ZB_FSDP = ["fsdp.reshard_after_forward=false"]
-L8 = ["model.n_layers=8"]  # pp=4 x 2 virtual stages needs 8 layers  # zero-bubble schedules need it (validation refuses the other)
+L8 = [
+    "model.n_layers=8"
+]  # pp=4 x 2 virtual stages needs 8 layers  # zero-bubble schedules need it (validation refuses the other)
 
 # name: (overrides, baseline model overrides, tolerance)
 CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
@@ -36,28 +37,65 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "pp2_1f1b": (["mesh.pp=2", "pp.schedule=1F1B"], [], 1e-5),
     "pp2_interleaved1f1b": (["mesh.pp=2", "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=2"], [], 1e-5),
     "pp2_loopedbfs": (["mesh.pp=2", "pp.schedule=LoopedBFS", "pp.stages_per_rank=2"], [], 1e-5),
-    "pp2_interleavedzb": (["mesh.pp=2", "pp.schedule=InterleavedZeroBubble", "pp.stages_per_rank=2"], [], 1e-5),
+    "pp2_interleavedzb": (
+        ["mesh.pp=2", "pp.schedule=InterleavedZeroBubble", "pp.stages_per_rank=2"],
+        [],
+        1e-5,
+    ),
     "pp2_zbv": (["mesh.pp=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2"], [], 1e-5),
     "pp2_dualpipev": (["mesh.pp=2", "pp.schedule=DualPipeV", "pp.stages_per_rank=2"], [], 1e-5),
     "pp4_1f1b": (["mesh.pp=4", "pp.schedule=1F1B"], [], 1e-5),
     "pp4_gpipe": (["mesh.pp=4", "pp.schedule=GPipe"], [], 1e-5),
-    "pp4_interleaved1f1b": (["mesh.pp=4", "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=2", *L8], L8, 1e-5),
+    "pp4_interleaved1f1b": (
+        ["mesh.pp=4", "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=2", *L8],
+        L8,
+        1e-5,
+    ),
     "pp4_loopedbfs": (["mesh.pp=4", "pp.schedule=LoopedBFS", "pp.stages_per_rank=2", *L8], L8, 1e-5),
-    "pp4_interleavedzb": (["mesh.pp=4", "pp.schedule=InterleavedZeroBubble", "pp.stages_per_rank=2", *L8], L8, 1e-5),
+    "pp4_interleavedzb": (
+        ["mesh.pp=4", "pp.schedule=InterleavedZeroBubble", "pp.stages_per_rank=2", *L8],
+        L8,
+        1e-5,
+    ),
     "pp4_zbv": (["mesh.pp=4", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *L8], L8, 1e-5),
-    "pp4_dualpipev": (["mesh.pp=4", "pp.schedule=DualPipeV", "pp.stages_per_rank=2", "pp.microbatches=8", *L8],
-                      L8, 1e-5),
+    "pp4_dualpipev": (
+        ["mesh.pp=4", "pp.schedule=DualPipeV", "pp.stages_per_rank=2", "pp.microbatches=8", *L8],
+        L8,
+        1e-5,
+    ),
     "pp2_fsdp2_gpipe": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=GPipe"], [], 1e-5),
     "pp2_fsdp2_1f1b": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=1F1B"], [], 1e-5),
-    "pp2_fsdp2_interleaved1f1b": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=Interleaved1F1B",
-                                   "pp.stages_per_rank=2"], [], 1e-5),
-    "pp2_fsdp2_loopedbfs": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=LoopedBFS", "pp.stages_per_rank=2"], [], 1e-5),
-    "pp2_fsdp2_interleavedzb": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=InterleavedZeroBubble",
-                                 "pp.stages_per_rank=2", *ZB_FSDP], [], 1e-5),
-    "pp2_fsdp2_zbv": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2",
-                       *ZB_FSDP], [], 1e-5),
-    "pp2_fsdp2_dualpipev": (["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=DualPipeV", "pp.stages_per_rank=2",
-                             *ZB_FSDP], [], 1e-5),
+    "pp2_fsdp2_interleaved1f1b": (
+        ["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=2"],
+        [],
+        1e-5,
+    ),
+    "pp2_fsdp2_loopedbfs": (
+        ["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=LoopedBFS", "pp.stages_per_rank=2"],
+        [],
+        1e-5,
+    ),
+    "pp2_fsdp2_interleavedzb": (
+        [
+            "mesh.pp=2",
+            "mesh.dp_shard=2",
+            "pp.schedule=InterleavedZeroBubble",
+            "pp.stages_per_rank=2",
+            *ZB_FSDP,
+        ],
+        [],
+        1e-5,
+    ),
+    "pp2_fsdp2_zbv": (
+        ["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *ZB_FSDP],
+        [],
+        1e-5,
+    ),
+    "pp2_fsdp2_dualpipev": (
+        ["mesh.pp=2", "mesh.dp_shard=2", "pp.schedule=DualPipeV", "pp.stages_per_rank=2", *ZB_FSDP],
+        [],
+        1e-5,
+    ),
     "pp2_tp2": (["mesh.pp=2", "mesh.tp=2"], [], 1e-5),
     "3d_pp2_dp2_tp2": (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], [], 1e-5),
     "fsdp2_ac_full": (["mesh.dp_shard=2", "activation_checkpoint.mode=full"], [], 1e-5),
@@ -69,8 +107,19 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
 
 
 def _launch(out, name: str, overrides: list[str]):
-    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *ONE_RANK, *QUICK, f"train.steps={STEPS}",
-                    f"output_dir={out}", f"run_name={name}", *overrides], cwd=out, timeout=600)
+    proc = run_cli(
+        [
+            str(RECIPES / "debug_cpu.toml"),
+            *ONE_RANK,
+            *QUICK,
+            f"train.steps={STEPS}",
+            f"output_dir={out}",
+            f"run_name={name}",
+            *overrides,
+        ],
+        cwd=out,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return read_metrics(out / name), json.loads((out / name / "run.json").read_text())
 
@@ -101,7 +150,9 @@ def test_matches_one_rank(name, out, baselines):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, base))
     gn_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(rows, base))
-    assert loss_diff <= tol and gn_diff <= tol, f"{name}: max |dloss| {loss_diff:.2e}, |dgrad_norm| {gn_diff:.2e}"
+    assert loss_diff <= tol and gn_diff <= tol, (
+        f"{name}: max |dloss| {loss_diff:.2e}, |dgrad_norm| {gn_diff:.2e}"
+    )
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.05  # it trained
     world = info["world_size"]
     assert world > 1 and 0 <= rows[-1]["mem/rss_max_rank"] < world  # memory reduced over every rank

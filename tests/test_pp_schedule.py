@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import QUICK, RECIPES, read_metrics, run_cli
 
-from meshforge.recipe import load_recipe
 from meshforge.parallelisms.pp import bubble_fraction_gpipe
 from meshforge.parallelisms.pp_actions import bubble_fraction, simulate, single_stage_actions
+from meshforge.recipe import load_recipe
 from meshforge.simulate.schedule import recipe_schedule_order
-
-from conftest import QUICK, RECIPES, read_metrics, run_cli
 
 PP4 = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=4"]
 V8 = ["pp.stages_per_rank=2", "model.n_layers=8", "pp.microbatches=8"]
@@ -32,8 +31,10 @@ def test_1f1b_alternates_after_warmup():
 def test_schedules_from_torch_and_their_bubbles():
     bubbles = {}
     for schedule in ("1F1B", "ZBVZeroBubble", "DualPipeV"):
-        recipe = load_recipe(RECIPES / "debug_cpu.toml", [*PP4, *V8, f"pp.schedule={schedule}"]
-                             if schedule != "1F1B" else [*PP4, "pp.microbatches=8"])
+        recipe = load_recipe(
+            RECIPES / "debug_cpu.toml",
+            [*PP4, *V8, f"pp.schedule={schedule}"] if schedule != "1F1B" else [*PP4, "pp.microbatches=8"],
+        )
         order = recipe_schedule_order(recipe)
         assert len(order) == 4
         acts = [a for a in order[3] if a]
@@ -45,8 +46,19 @@ def test_schedules_from_torch_and_their_bubbles():
 
 def test_cli_draws_the_schedule(tmp_path):
     out = tmp_path / "zbv.png"
-    proc = run_cli(["pp-schedule", str(RECIPES / "debug_cpu.toml"), *PP4, *V8, "pp.schedule=ZBVZeroBubble",
-                    "--out", str(out)], cwd=tmp_path, program="meshforge")
+    proc = run_cli(
+        [
+            "pp-schedule",
+            str(RECIPES / "debug_cpu.toml"),
+            *PP4,
+            *V8,
+            "pp.schedule=ZBVZeroBubble",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "ZBVZeroBubble, pp=4, 8 microbatches: bubble" in proc.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -54,8 +66,19 @@ def test_cli_draws_the_schedule(tmp_path):
 
 @pytest.mark.slow
 def test_a_pipelined_run_draws_its_schedule(tmp_path):
-    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *QUICK, "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=2",
-                    "train.steps=2", f"output_dir={tmp_path}", "run_name=pp"], cwd=tmp_path)
+    proc = run_cli(
+        [
+            str(RECIPES / "debug_cpu.toml"),
+            *QUICK,
+            "mesh.dp_shard=1",
+            "mesh.tp=1",
+            "mesh.pp=2",
+            "train.steps=2",
+            f"output_dir={tmp_path}",
+            "run_name=pp",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "pp" / "pp_schedule.png").read_bytes()[:4] == b"\x89PNG"
     info = json.loads((tmp_path / "pp" / "run.json").read_text())

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import RECIPES
 
 from meshforge.configs import RecipeError
-from meshforge.recipe import load_recipe
 from meshforge.configs.schema import Recipe, field_doc, sections
-
-from conftest import RECIPES
+from meshforge.recipe import load_recipe
 
 
 def write(tmp_path: Path, text: str, name: str = "r.toml") -> Path:
@@ -49,8 +48,10 @@ def test_every_field_is_documented():
 
 
 def test_defaults_overrides_and_derived_batch(tmp_path):
-    r = load_recipe(write(tmp_path, SINGLE + "[train]\nsteps = 7\nmicro_batch_size = 4\ngrad_accum_steps = 3\n"),
-                    ["train.steps=9", "optimizer.lr=0.01"])
+    r = load_recipe(
+        write(tmp_path, SINGLE + "[train]\nsteps = 7\nmicro_batch_size = 4\ngrad_accum_steps = 3\n"),
+        ["train.steps=9", "optimizer.lr=0.01"],
+    )
     assert isinstance(r, Recipe)
     assert (r.train.steps, r.optimizer.lr, r.train.global_batch_size) == (9, 0.01, 12)
     assert r.fsdp.reshard_after_forward is True  # schema default
@@ -59,8 +60,14 @@ def test_defaults_overrides_and_derived_batch(tmp_path):
 def test_minus_one_takes_the_rest_of_the_world(tmp_path):
     r = load_recipe(write(tmp_path, "[mesh]\ndp_shard = -1\ntp = 2\n[train]\nseq_len = 32\n"), world_size=8)
     assert (r.mesh.dp_shard, r.mesh.tp) == (4, 2)
-    derived = load_recipe(write(tmp_path, "[mesh]\ndp_shard = 4\n[train]\nglobal_batch_size = 32\n"
-                                          "micro_batch_size = -1\ngrad_accum_steps = 2\n"), world_size=4)
+    derived = load_recipe(
+        write(
+            tmp_path,
+            "[mesh]\ndp_shard = 4\n[train]\nglobal_batch_size = 32\n"
+            "micro_batch_size = -1\ngrad_accum_steps = 2\n",
+        ),
+        world_size=4,
+    )
     assert derived.train.micro_batch_size == 4
 
 
@@ -75,7 +82,9 @@ def test_extends_merges_over_a_base(tmp_path):
 
 
 def test_unknown_keys_suggest_the_right_one(tmp_path):
-    p = problems(tmp_path, SINGLE + "[trian]\nsteps = 3\n[train]\nstep = 3\n[optimizer]\nlearning_rate = 1.0\n")
+    p = problems(
+        tmp_path, SINGLE + "[trian]\nsteps = 3\n[train]\nstep = 3\n[optimizer]\nlearning_rate = 1.0\n"
+    )
     assert "did you mean 'train'" in p["trian"]
     assert "did you mean train.'steps'" in p["train.step"]
     assert "optimizer.learning_rate" in p
@@ -121,11 +130,18 @@ def test_layers_vs_pipeline_stages(tmp_path):
 
 
 def test_global_batch_arithmetic(tmp_path):
-    p = problems(tmp_path, "[mesh]\ndp_shard = 2\n[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\n"
-                           "grad_accum_steps = 1\n", world=2)
+    p = problems(
+        tmp_path,
+        "[mesh]\ndp_shard = 2\n[train]\nglobal_batch_size = 10\nmicro_batch_size = 4\ngrad_accum_steps = 1\n",
+        world=2,
+    )
     assert "4 x 1 x 2 = 8" in p["train.global_batch_size"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 2\n[train]\nglobal_batch_size = 10\nmicro_batch_size = -1\n"
-                           "grad_accum_steps = 2\n", world=2)
+    p = problems(
+        tmp_path,
+        "[mesh]\ndp_shard = 2\n[train]\nglobal_batch_size = 10\nmicro_batch_size = -1\n"
+        "grad_accum_steps = 2\n",
+        world=2,
+    )
     assert "nearest valid: 8, 12" in p["train.global_batch_size"]
 
 
@@ -137,31 +153,44 @@ def test_seq_len_and_ranges(tmp_path):
 
 
 def test_microbatches_vs_batch_and_stages(tmp_path):
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 3\n[train]\nmicro_batch_size = 8\n")
+    p = problems(
+        tmp_path, "[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 3\n[train]\nmicro_batch_size = 8\n"
+    )
     assert "must divide the local batch" in p["pp.microbatches"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 2\nschedule = \"1F1B\"\n"
-                           "[train]\nmicro_batch_size = 8\n")
+    p = problems(
+        tmp_path,
+        '[mesh]\ndp_shard = 1\npp = 4\n[pp]\nmicrobatches = 2\nschedule = "1F1B"\n'
+        "[train]\nmicro_batch_size = 8\n",
+    )
     assert "needs microbatches >= pp=4" in p["pp.microbatches"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"DualPipeV\"\nstages_per_rank = 2\n"
-                           "microbatches = 2\n[train]\nmicro_batch_size = 8\n")
+    p = problems(
+        tmp_path,
+        '[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = "DualPipeV"\nstages_per_rank = 2\n'
+        "microbatches = 2\n[train]\nmicro_batch_size = 8\n",
+    )
     assert "DualPipeV needs microbatches >= stages = pp x 2 = 4" in p["pp.microbatches"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"ZBVZeroBubble\"\n")
+    p = problems(tmp_path, '[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = "ZBVZeroBubble"\n')
     assert "exactly 2 stages per rank" in p["pp.stages_per_rank"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = \"GPipe\"\nstages_per_rank = 2\n")
+    p = problems(tmp_path, '[mesh]\ndp_shard = 1\npp = 2\n[pp]\nschedule = "GPipe"\nstages_per_rank = 2\n')
     assert "one stage per rank" in p["pp.stages_per_rank"]
 
 
 def test_enums_list_the_choices(tmp_path):
-    p = problems(tmp_path, SINGLE + '[pp]\nschedule = "2F2B"\n[fsdp]\nparam_dtype = "float16"\n'
-                                    '[model]\nflavor = "tiny"\n')
+    p = problems(
+        tmp_path,
+        SINGLE + '[pp]\nschedule = "2F2B"\n[fsdp]\nparam_dtype = "float16"\n[model]\nflavor = "tiny"\n',
+    )
     assert "1F1B" in p["pp.schedule"] and "DualPipeV" in p["pp.schedule"]
     assert "use bfloat16" in p["fsdp.param_dtype"]
     assert "debug" in p["model.flavor"]
 
 
 def test_refused_combinations_say_why_and_what_instead(tmp_path):
-    p = problems(tmp_path, "[mesh]\ndp_shard = 2\npp = 2\n[pp]\nschedule = \"ZBVZeroBubble\"\n"
-                           "stages_per_rank = 2\n", world=4)
+    p = problems(
+        tmp_path,
+        '[mesh]\ndp_shard = 2\npp = 2\n[pp]\nschedule = "ZBVZeroBubble"\nstages_per_rank = 2\n',
+        world=4,
+    )
     assert "wrong gradients" in p["fsdp.reshard_after_forward"]
     assert "reshard_after_forward=false" in p["fsdp.reshard_after_forward"]
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[compile]\nenabled = true\n[train]\nseq_len = 32\n")
@@ -171,9 +200,14 @@ def test_refused_combinations_say_why_and_what_instead(tmp_path):
 
 
 def test_every_violation_is_reported_at_once(tmp_path):
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n"
-                           "[optimizer]\nlr = 0.0\n[lrschedule]\nwarmup = 1\n")
+    p = problems(
+        tmp_path,
+        "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n"
+        "[optimizer]\nlr = 0.0\n[lrschedule]\nwarmup = 1\n",
+    )
     # an unknown section stops before cross-field rules; fix it and the rest appear together
     assert list(p) == ["lrschedule"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n[optimizer]\nlr = 0.0\n")
+    p = problems(
+        tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n[optimizer]\nlr = 0.0\n"
+    )
     assert {"mesh.tp", "train.steps", "train.seq_len", "optimizer.lr"} <= set(p)

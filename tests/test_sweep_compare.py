@@ -6,11 +6,10 @@ import json
 import shutil
 
 import pytest
+from conftest import QUICK, RECIPES, cli_env, run_cli
 
 from meshforge.experiments import compare
 from meshforge.experiments.sweep import mesh_shapes, sweep_points
-
-from conftest import QUICK, RECIPES, cli_env, run_cli
 
 # the pp=4 point fails at its first step, on purpose: it must be recorded, not fatal
 FAIL_PP4 = """
@@ -40,8 +39,17 @@ def sweep(tmp_path_factory):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FAIL_PP4)
     env = cli_env(PYTHONPATH=str(hook))
-    args = [str(RECIPES / "debug_cpu.toml"), "--sweep", "--world", "4", *QUICK, "sweep.steps=3",
-            f"output_dir={out}", "logging.wandb=true", "logging.wandb_mode=offline"]
+    args = [
+        str(RECIPES / "debug_cpu.toml"),
+        "--sweep",
+        "--world",
+        "4",
+        *QUICK,
+        "sweep.steps=3",
+        f"output_dir={out}",
+        "logging.wandb=true",
+        "logging.wandb_mode=offline",
+    ]
     first = run_cli(args, cwd=out, env=env, timeout=1200)
     assert first.returncode == 0, first.stderr[-3000:]
     sweep_dir = out / "sweep-debug_cpu-w4"
@@ -67,7 +75,9 @@ def test_sweep_records_every_point(sweep):
         assert r["tokens_per_sec"] > 0 and r["peak_memory_max"] >= r["peak_memory_min"] > 0
         assert r["estimate_gib"] > 0 and r["final_loss"] > 0
         # the traced estimate that decides skips: within 5% of the peak the point measured on step 2
-        per_rank = json.loads((sweep_dir / r["label"] / "run.json").read_text())["summary"]["memory_breakdown"]["per_rank"]
+        per_rank = json.loads((sweep_dir / r["label"] / "run.json").read_text())["summary"][
+            "memory_breakdown"
+        ]["per_rank"]
         assert abs(r["estimate_bytes"] / max(p["total"] for p in per_rank) - 1) <= 0.05, r["label"]
         assert set(r["mesh"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
     best = max(finished, key=lambda r: r["tokens_per_sec"])
@@ -97,11 +107,28 @@ def test_points_are_grouped_runs_in_wandb(sweep):
 @pytest.mark.slow
 def test_compare_renders_table_and_plots(sweep, tmp_path):
     sweep_dir, _, _, _ = sweep
-    proc = run_cli(["compare", str(sweep_dir), "--out", str(tmp_path / "plots"), "--metrics", "loss,grad_norm",
-                    "--align", "tokens"], cwd=tmp_path, program="meshforge")
+    proc = run_cli(
+        [
+            "compare",
+            str(sweep_dir),
+            "--out",
+            str(tmp_path / "plots"),
+            "--metrics",
+            "loss,grad_norm",
+            "--align",
+            "tokens",
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "dp2-tp2" in proc.stdout and "1F1B x4" in proc.stdout and "loss @ step 3" in proc.stdout
-    for name in ("loss_vs_tokens.png", "grad_norm_vs_tokens.png", "tokens_per_sec.png", "peak_memory_per_rank.png"):
+    for name in (
+        "loss_vs_tokens.png",
+        "grad_norm_vs_tokens.png",
+        "tokens_per_sec.png",
+        "peak_memory_per_rank.png",
+    ):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     runs = compare.find_runs([sweep_dir])
@@ -123,9 +150,14 @@ def test_parity_mode_flags_a_perturbed_run(sweep, tmp_path):
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     rows[1]["loss"] += 1e-3
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = run_cli(["compare", str(runs), "--baseline", "dp4", "--out", str(tmp_path / "p")], cwd=tmp_path,
-                   program="meshforge")
+    proc = run_cli(
+        ["compare", str(runs), "--baseline", "dp4", "--out", str(tmp_path / "p")],
+        cwd=tmp_path,
+        program="meshforge",
+    )
     assert proc.returncode == 1
     results = {p["run"]: p for p in compare.parity(compare.find_runs([runs]), "dp4", 1e-5)}
     assert results["dp2-tp2"]["ok"] and results["dp2-tp2"]["max_dloss"] < 1e-5
-    assert not results["perturbed"]["ok"] and results["perturbed"]["max_dloss"] == pytest.approx(1e-3, rel=1e-3)
+    assert not results["perturbed"]["ok"] and results["perturbed"]["max_dloss"] == pytest.approx(
+        1e-3, rel=1e-3
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import RECIPES, cli_env, read_metrics, run_cli
 
 SINGLE = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
@@ -20,8 +19,12 @@ def trained(tmp_path_factory):
     env = cli_env(HOME=str(home))
     env.pop("WANDB_MODE")
     env.pop("WANDB_API_KEY", None)
-    proc = run_cli([str(RECIPES / "debug_cpu.toml"), *SINGLE, "train.steps=150", f"output_dir={out}",
-                    "run_name=learn"], cwd=out, env=env, timeout=300)
+    proc = run_cli(
+        [str(RECIPES / "debug_cpu.toml"), *SINGLE, "train.steps=150", f"output_dir={out}", "run_name=learn"],
+        cwd=out,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "learn", proc
 
@@ -38,11 +41,22 @@ def test_loss_falls_to_near_the_source_floor(trained):
 def test_metrics_jsonl_has_every_step_and_key(trained):
     rows = read_metrics(trained[0])
     assert [r["step"] for r in rows] == list(range(1, 151))
-    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "step_time", "mem/rss_max", "mem/rss_peak_min",
-                "mem/state_max", "mem/rss_max_rank"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_sec",
+        "step_time",
+        "mem/rss_max",
+        "mem/rss_peak_min",
+        "mem/state_max",
+        "mem/rss_max_rank",
+    ):
         assert key in rows[0], key
     assert rows[0]["tokens_per_sec"] > 0 and rows[0]["mem/rss_max"] > 50e6  # a real process measurement
-    assert rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1  # against this CPU's measured matmul rate
+    assert (
+        rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1
+    )  # against this CPU's measured matmul rate
     assert rows[9]["lr"] == pytest.approx(3e-3)  # end of warmup (10 steps) reaches the peak lr
     assert rows[-1]["lr"] < rows[50]["lr"]  # cosine decay
 
@@ -83,8 +97,14 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
     from meshforge.recipe import load_recipe
     from meshforge.run.trainer import train
 
-    common = [*SINGLE, "train.steps=5", f"output_dir={tmp_path}", "logging.tensorboard=false",
-              "logging.wandb=false", "logging.progress=false"]
+    common = [
+        *SINGLE,
+        "train.steps=5",
+        f"output_dir={tmp_path}",
+        "logging.tensorboard=false",
+        "logging.wandb=false",
+        "logging.progress=false",
+    ]
     a = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=a"]))
     b = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=b"]))
     c = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=c", "seed=1"]))
@@ -96,20 +116,34 @@ def test_bf16_autocast_trains_close_to_fp32(tmp_path):
     from meshforge.recipe import load_recipe
     from meshforge.run.trainer import train
 
-    common = [*SINGLE, "train.steps=5", f"output_dir={tmp_path}", "logging.tensorboard=false",
-              "logging.wandb=false", "logging.progress=false"]
+    common = [
+        *SINGLE,
+        "train.steps=5",
+        f"output_dir={tmp_path}",
+        "logging.tensorboard=false",
+        "logging.wandb=false",
+        "logging.progress=false",
+    ]
     fp32 = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=f"]))
-    bf16 = train(load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=b", "fsdp.param_dtype=bfloat16"]))
+    bf16 = train(
+        load_recipe(RECIPES / "debug_cpu.toml", [*common, "run_name=b", "fsdp.param_dtype=bfloat16"])
+    )
     diffs = [abs(x - y) for x, y in zip(fp32.losses, bf16.losses)]
     assert max(diffs) < 2e-2 and max(diffs) > 0  # really ran in bf16, and stayed close
 
 
 def test_a_second_run_of_the_same_name_keeps_the_first(tmp_path):
-    args = [str(RECIPES / "debug_cpu.toml"), *SINGLE, "train.steps=2", f"output_dir={tmp_path}", "run_name=twice",
-            "logging.wandb=false", "logging.tensorboard=false"]
+    args = [
+        str(RECIPES / "debug_cpu.toml"),
+        *SINGLE,
+        "train.steps=2",
+        f"output_dir={tmp_path}",
+        "run_name=twice",
+        "logging.wandb=false",
+        "logging.tensorboard=false",
+    ]
     assert run_cli(args, cwd=tmp_path).returncode == 0
     assert run_cli(args, cwd=tmp_path).returncode == 0
     runs = sorted(p.name for p in tmp_path.iterdir())
     assert len(runs) == 2 and runs[0] == "twice"
     assert all(len(read_metrics(tmp_path / r)) == 2 for r in runs)
-

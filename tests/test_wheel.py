@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, cli_env
 
 pytestmark = pytest.mark.slow
@@ -16,20 +15,67 @@ pytestmark = pytest.mark.slow
 def test_wheel_installs_one_namespace_and_runs(tmp_path):
     wheels, target, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
     work.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(REPO),
-                    "-w", str(wheels)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(REPO),
+            "-w",
+            str(wheels),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = wheels.glob("meshforge-*.whl")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
-    top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    top_level = sorted(
+        p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin"
+    )
     assert top_level == ["meshforge"], top_level
     env = cli_env(PYTHONPATH=str(target))
-    probe = subprocess.run([sys.executable, "-c", "import meshforge, meshforge.models, meshforge.configs, "
-                            "meshforge.parallelisms; print(meshforge.__file__, meshforge.models.__file__)"],
-                           cwd=work, env=env, capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import meshforge, meshforge.models, meshforge.configs, "
+            "meshforge.parallelisms; print(meshforge.__file__, meshforge.models.__file__)",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert all(p.startswith(str(target)) for p in probe.stdout.split())  # from the wheel, not the repo
-    run = subprocess.run([sys.executable, "-m", "meshforge.cli", "debug_cpu", "mesh.dp_shard=1", "mesh.tp=1",
-                          "mesh.pp=1", "train.steps=3", "logging.wandb=false", "logging.tensorboard=false"],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshforge.cli",
+            "debug_cpu",
+            "mesh.dp_shard=1",
+            "mesh.tp=1",
+            "mesh.pp=1",
+            "train.steps=3",
+            "logging.wandb=false",
+            "logging.tensorboard=false",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (work / "outputs" / "debug_cpu" / "metrics.jsonl").read_text().count("\n") == 3

@@ -7,8 +7,9 @@ subclass derives from it too (a missing data file is still a FileNotFoundError).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 EXIT_RUNTIME = 1  # the run started and failed
 EXIT_USAGE = 2  # bad recipe, bad arguments, or a machine that cannot run the recipe
@@ -64,7 +65,9 @@ class MachineError(MeshforgeError):
 
     def __init__(self, missing: Sequence[str]):
         self.missing = list(missing)
-        super().__init__("this machine cannot run the recipe as written:\n" + "\n".join(f"  - {m}" for m in missing))
+        super().__init__(
+            "this machine cannot run the recipe as written:\n" + "\n".join(f"  - {m}" for m in missing)
+        )
 
 
 class RunError(MeshforgeError, RuntimeError):

@@ -80,7 +80,9 @@ class ParallelDims:
 
     def label(self) -> str:
         """Short name of the shape, e.g. dp2-tp2-pp2 (run names, sweeps, W&B)."""
-        return "-".join(f"{short}{getattr(self, n)}" for n, short in _LABELS if getattr(self, n) > 1) or "single"
+        return (
+            "-".join(f"{short}{getattr(self, n)}" for n, short in _LABELS if getattr(self, n) > 1) or "single"
+        )
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """Global rank -> its coordinate on every mesh dim (row-major over MESH_DIMS)."""

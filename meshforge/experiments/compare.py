@@ -26,7 +26,9 @@ class Run:
 
     @property
     def layout(self) -> str:
-        return ParallelDims(**{k: self.info["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")}).label()
+        return ParallelDims(
+            **{k: self.info["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+        ).label()
 
     @property
     def policy(self) -> str:
@@ -70,16 +72,26 @@ def find_runs(paths: list[Path]) -> list[Run]:
         if (p / "run.json").is_file():
             found.append(p)
         elif (p / "sweep.jsonl").is_file():
-            labels = [json.loads(line)["label"] for line in (p / "sweep.jsonl").read_text().splitlines() if line.strip()]
+            labels = [
+                json.loads(line)["label"]
+                for line in (p / "sweep.jsonl").read_text().splitlines()
+                if line.strip()
+            ]
             found += [p / lab for lab in dict.fromkeys(labels) if (p / lab / "run.json").is_file()]
         else:
             found += sorted(q.parent for q in p.glob("*/run.json"))
     if not found:
-        raise FileNotFoundError(f"no runs under {', '.join(map(str, paths))}: expected run.json or sweep.jsonl")
+        raise FileNotFoundError(
+            f"no runs under {', '.join(map(str, paths))}: expected run.json or sweep.jsonl"
+        )
     runs = []
     for d in found:
         metrics = d / "metrics.jsonl"
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+        rows = (
+            [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            if metrics.is_file()
+            else []
+        )
         runs.append(Run(d.name, d, json.loads((d / "run.json").read_text()), rows))
     return runs
 
@@ -87,8 +99,19 @@ def find_runs(paths: list[Path]) -> list[Run]:
 def comparison_table(runs: list[Run]) -> Table:
     common = min((r.rows[-1]["step"] for r in runs if r.rows), default=None)
     table = Table(title="runs side by side")
-    cols = ["run", "layout", "policy", "world", "status", "tokens/s", "TFLOP/s (6N)", "step s",
-            "peak mem max/min GiB", "final loss", f"loss @ step {common}"]
+    cols = [
+        "run",
+        "layout",
+        "policy",
+        "world",
+        "status",
+        "tokens/s",
+        "TFLOP/s (6N)",
+        "step s",
+        "peak mem max/min GiB",
+        "final loss",
+        f"loss @ step {common}",
+    ]
     for c in cols:
         table.add_column(c)
     for r in runs:
@@ -96,10 +119,17 @@ def comparison_table(runs: list[Run]) -> Table:
         mx, mn = r.peak_memory()
         at_common = next((x["loss"] for x in r.rows if x["step"] == common), None)
         table.add_row(
-            r.name, r.layout, r.policy, str(r.info["world_size"]), r.info["status"],
-            f"{tps:,.0f}" if tps else "", f"{6 * r.info['n_params'] * tps / 1e12:.4f}" if tps else "",
-            f"{step_time:.3f}" if step_time else "", f"{mx / GiB:.2f}/{mn / GiB:.2f}" if mx is not None else "",
-            f"{r.rows[-1]['loss']:.4f}" if r.rows else "", f"{at_common:.4f}" if at_common is not None else "",
+            r.name,
+            r.layout,
+            r.policy,
+            str(r.info["world_size"]),
+            r.info["status"],
+            f"{tps:,.0f}" if tps else "",
+            f"{6 * r.info['n_params'] * tps / 1e12:.4f}" if tps else "",
+            f"{step_time:.3f}" if step_time else "",
+            f"{mx / GiB:.2f}/{mn / GiB:.2f}" if mx is not None else "",
+            f"{r.rows[-1]['loss']:.4f}" if r.rows else "",
+            f"{at_common:.4f}" if at_common is not None else "",
         )
     return table
 
@@ -140,7 +170,9 @@ def plot_memory(runs: list[Run]):
             label = None if rank in labelled else f"rank {rank}"
             labelled.add(rank)
             ax.bar(i + rank * width, value / GiB, width, color=f"C{rank % 10}", label=label)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], [r.name for r in runs], rotation=45, fontsize="small")
+    ax.set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(runs))], [r.name for r in runs], rotation=45, fontsize="small"
+    )
     ax.set_ylabel("peak memory (GiB)")
     ax.set_title("peak memory per rank")
     if any(r.per_rank_peak() for r in runs):
@@ -162,8 +194,15 @@ def parity(runs: list[Run], baseline: str, tol: float) -> list[dict]:
         common = [x for x in r.rows if x["step"] in ref]
         dl = max((abs(x["loss"] - ref[x["step"]]["loss"]) for x in common), default=float("nan"))
         dg = max((abs(x["grad_norm"] - ref[x["step"]]["grad_norm"]) for x in common), default=float("nan"))
-        out.append({"run": r.name, "steps": len(common), "max_dloss": dl, "max_dgrad_norm": dg,
-                    "ok": bool(common) and dl <= tol and dg <= tol})
+        out.append(
+            {
+                "run": r.name,
+                "steps": len(common),
+                "max_dloss": dl,
+                "max_dgrad_norm": dg,
+                "ok": bool(common) and dl <= tol and dg <= tol,
+            }
+        )
     return out
 
 
@@ -172,8 +211,13 @@ def parity_table(results: list[dict], baseline: str, tol: float) -> Table:
     for c in ("run", "common steps", "max |Δloss|", "max |Δgrad_norm|", "verdict"):
         table.add_column(c)
     for p in results:
-        table.add_row(p["run"], str(p["steps"]), f"{p['max_dloss']:.2e}", f"{p['max_dgrad_norm']:.2e}",
-                      "same" if p["ok"] else "[bold red]DIFFERENT[/]")
+        table.add_row(
+            p["run"],
+            str(p["steps"]),
+            f"{p['max_dloss']:.2e}",
+            f"{p['max_dgrad_norm']:.2e}",
+            "same" if p["ok"] else "[bold red]DIFFERENT[/]",
+        )
     return table
 
 

@@ -102,13 +102,20 @@ def _measure(run_dir: Path) -> dict:
     return {
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in steady) / len(steady),
         "step_time": sum(r["step_time"] for r in steady) / len(steady),
-        "peak_memory_max": rows[-1].get(f"{peak}_max"), "peak_memory_min": rows[-1].get(f"{peak}_min"),
+        "peak_memory_max": rows[-1].get(f"{peak}_max"),
+        "peak_memory_min": rows[-1].get(f"{peak}_min"),
         "final_loss": rows[-1]["loss"],
     }
 
 
-def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str, list[str]] | None = None,
-              sweep_dir: Path | None = None, console: Console | None = None) -> Path:
+def run_sweep(
+    recipe_path: str,
+    overrides: list[str],
+    world: int,
+    axes: dict[str, list[str]] | None = None,
+    sweep_dir: Path | None = None,
+    console: Console | None = None,
+) -> Path:
     """Sweep `recipe_path` over every mesh of `world` ranks (x the recipe's and `axes`'
     policy values); returns the sweep folder."""
     console = console or Console(soft_wrap=True)
@@ -122,17 +129,26 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
     done = _read_rows(record)
     group = base.logging.wandb_group or f"{stem}/{sweep_dir.name}"
     points = sweep_points(world, sw.axes)
-    console.print(f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
-                  f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies)")
+    console.print(
+        f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
+        f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies)"
+    )
     pool = trace_pool()  # estimate workers for the whole sweep (exiting also stops them)
     for i, pt in enumerate(points, 1):
         if done.get(pt.label, {}).get("status") in ("finished", "refused", "skipped"):
             console.print(f"[{i}/{len(points)}] {pt.label}: {done[pt.label]['status']} earlier, kept")
             continue
         row = {"label": pt.label, "mesh": pt.mesh, "policy": pt.policy, "overrides": pt.overrides()}
-        point_overrides = [*overrides, *pt.overrides(), f"train.steps={sw.steps}", f"output_dir={sweep_dir}",
-                           f"run_name={pt.label}", f"logging.wandb_group={group}",
-                           f"logging.wandb_tags=[sweep,{pt.label}]", "logging.progress=false"]
+        point_overrides = [
+            *overrides,
+            *pt.overrides(),
+            f"train.steps={sw.steps}",
+            f"output_dir={sweep_dir}",
+            f"run_name={pt.label}",
+            f"logging.wandb_group={group}",
+            f"logging.wandb_tags=[sweep,{pt.label}]",
+            "logging.progress=false",
+        ]
         try:
             recipe = load_recipe(recipe_path, point_overrides, world_size=world)
         except RecipeError as e:
@@ -144,7 +160,9 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
         row["estimate_gib"], row["estimate_bytes"] = round(estimate / GiB, 3), estimate
         row["analytic_gib"] = round(make_plan(recipe).bytes_per_rank / GiB, 3)
         if sw.device_memory_gib is not None and estimate > sw.device_memory_gib * GiB:
-            row.update(status="skipped", error=f"estimate {row['estimate_gib']} GiB > {sw.device_memory_gib} GiB")
+            row.update(
+                status="skipped", error=f"estimate {row['estimate_gib']} GiB > {sw.device_memory_gib} GiB"
+            )
             _append(record, row, console, i, len(points))
             continue
         cmd = [sys.executable, "-m", "meshforge.cli", str(recipe_path), *point_overrides]
@@ -162,9 +180,11 @@ def run_sweep(recipe_path: str, overrides: list[str], world: int, axes: dict[str
             console.print(f"  {r['label']}: {r['status']}: {r.get('error', '')}", highlight=False)
     best = rank_rows(rows)
     if best:
-        console.print(f"fastest layout that fits: [bold]{best[0]['label']}[/] "
-                      f"({best[0]['tokens_per_sec']:,.0f} tokens/s); reproduce with: "
-                      + " ".join(best[0]["overrides"]), highlight=False)
+        console.print(
+            f"fastest layout that fits: [bold]{best[0]['label']}[/] "
+            f"({best[0]['tokens_per_sec']:,.0f} tokens/s); reproduce with: " + " ".join(best[0]["overrides"]),
+            highlight=False,
+        )
     _log_wandb_table(base, group, rows)
     return sweep_dir
 
@@ -177,7 +197,9 @@ def _mesh_for(world: int) -> list[str]:
 def _append(record: Path, row: dict, console: Console, i: int, n: int) -> None:
     with open(record, "a") as f:
         f.write(json.dumps(row) + "\n")
-    extra = f"{row['tokens_per_sec']:,.0f} tok/s" if row["status"] == "finished" else row.get("error", "")[:160]
+    extra = (
+        f"{row['tokens_per_sec']:,.0f} tok/s" if row["status"] == "finished" else row.get("error", "")[:160]
+    )
     console.print(f"[{i}/{n}] {row['label']}: {row['status']} {extra}", highlight=False)
 
 
@@ -188,17 +210,36 @@ def rank_rows(rows: list[dict]) -> list[dict]:
 
 def summary_table(rows: list[dict]) -> Table:
     table = Table(title="sweep: fastest first")
-    for col in ("#", "layout", "status", "tokens/s", "step s", "peak mem max/min GiB", "estimate GiB", "final loss"):
+    for col in (
+        "#",
+        "layout",
+        "status",
+        "tokens/s",
+        "step s",
+        "peak mem max/min GiB",
+        "estimate GiB",
+        "final loss",
+    ):
         table.add_column(col)
     ranked = rank_rows(rows)
     others = [r for r in rows if r["status"] != "finished"]
     for i, r in enumerate(ranked + others, 1):
         fin = r["status"] == "finished"
-        mem = (f"{r['peak_memory_max'] / GiB:.2f}/{r['peak_memory_min'] / GiB:.2f}"
-               if fin and r.get("peak_memory_max") is not None else "")
-        table.add_row(str(i) if fin else "-", r["label"], r["status"],
-                      f"{r['tokens_per_sec']:,.0f}" if fin else "", f"{r['step_time']:.3f}" if fin else "", mem,
-                      str(r.get("estimate_gib", "")), f"{r['final_loss']:.4f}" if fin else "")
+        mem = (
+            f"{r['peak_memory_max'] / GiB:.2f}/{r['peak_memory_min'] / GiB:.2f}"
+            if fin and r.get("peak_memory_max") is not None
+            else ""
+        )
+        table.add_row(
+            str(i) if fin else "-",
+            r["label"],
+            r["status"],
+            f"{r['tokens_per_sec']:,.0f}" if fin else "",
+            f"{r['step_time']:.3f}" if fin else "",
+            mem,
+            str(r.get("estimate_gib", "")),
+            f"{r['final_loss']:.4f}" if fin else "",
+        )
     return table
 
 
@@ -211,13 +252,36 @@ def _log_wandb_table(base: Recipe, group: str, rows: list[dict]) -> None:
         return
     import wandb  # slow to import: only when the sweep logs its table
 
-    cols = ["label", "status", "dp_replicate", "dp_shard", "tp", "pp", "tokens_per_sec", "step_time", "final_loss"]
+    cols = [
+        "label",
+        "status",
+        "dp_replicate",
+        "dp_shard",
+        "tp",
+        "pp",
+        "tokens_per_sec",
+        "step_time",
+        "final_loss",
+    ]
     table = wandb.Table(columns=cols)
     for r in rows:
-        table.add_data(r["label"], r["status"], *(r["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")),
-                       r.get("tokens_per_sec"), r.get("step_time"), r.get("final_loss"))
-    run = wandb.init(project=base.logging.wandb_project, entity=base.logging.wandb_entity, group=group,
-                     name="sweep-summary", job_type="sweep-summary", mode=mode,
-                     dir=str(Path(base.output_dir)), settings=wandb.Settings(init_timeout=60, silent=True))
+        table.add_data(
+            r["label"],
+            r["status"],
+            *(r["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")),
+            r.get("tokens_per_sec"),
+            r.get("step_time"),
+            r.get("final_loss"),
+        )
+    run = wandb.init(
+        project=base.logging.wandb_project,
+        entity=base.logging.wandb_entity,
+        group=group,
+        name="sweep-summary",
+        job_type="sweep-summary",
+        mode=mode,
+        dir=str(Path(base.output_dir)),
+        settings=wandb.Settings(init_timeout=60, silent=True),
+    )
     run.log({"sweep_summary": table})
     run.finish()

@@ -51,8 +51,9 @@ def to_torch(a: jax.Array) -> torch.Tensor:
 # --- weights ---------------------------------------------------------------------------
 
 
-def state_to_pytree(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
-                    consume: bool = False) -> dict[str, jax.Array]:
+def state_to_pytree(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, consume: bool = False
+) -> dict[str, jax.Array]:
     """A torch state dict -> the flat pytree models/llama_jax.py takes (copies, bit-exact).
     consume=True empties `state` as it goes, so (with no other reference to the tensors)
     the host holds one parameter twice at most, never the whole model."""
@@ -88,6 +89,7 @@ def _flatten(nested: dict, prefix: str = "") -> dict:
 def save_pytree(params: dict[str, jax.Array], path) -> None:
     """An Orbax checkpoint of the pytree (nested by name: Orbax joins tree paths with dots)."""
     import orbax.checkpoint as ocp  # slow to import: only when a pytree is saved
+
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(Path(path).absolute(), _nest(params))
 
@@ -95,6 +97,7 @@ def save_pytree(params: dict[str, jax.Array], path) -> None:
 def load_pytree(path) -> dict[str, jax.Array]:
     """The flat pytree from save_pytree's Orbax checkpoint."""
     import orbax.checkpoint as ocp  # slow to import: only when a pytree is loaded
+
     with ocp.StandardCheckpointer() as ckptr:
         return _flatten(ckptr.restore(Path(path).absolute()))
 
@@ -104,11 +107,14 @@ def read_sharded(reader, shardings: dict) -> dict[str, jax.Array]:
     (`jax.make_array_from_callback` + safetensors slices), so the host never holds a
     whole model. `reader` is an interop.WeightReader; `shardings` maps names to
     NamedShardings."""
+
     def fetch(name):
         return lambda index: to_numpy(reader.read(name, index))
 
-    return {name: jax.make_array_from_callback(reader.shape(name), sharding, fetch(name))
-            for name, sharding in shardings.items()}
+    return {
+        name: jax.make_array_from_callback(reader.shape(name), sharding, fetch(name))
+        for name, sharding in shardings.items()
+    }
 
 
 # --- shardings -------------------------------------------------------------------------
@@ -141,8 +147,10 @@ def placements_to_spec(placements, mesh_dim_names: tuple[str, ...], ndim: int) -
     strided: list[list[str]] = [[] for _ in range(ndim)]
     for axis, p in zip(mesh_dim_names, placements):
         if isinstance(p, Partial):
-            raise ValueError(f"placement {p} on mesh dim {axis!r} is a pending reduction, not a layout; "
-                             "reduce it (redistribute to Replicate) before exporting")
+            raise ValueError(
+                f"placement {p} on mesh dim {axis!r} is a pending reduction, not a layout; "
+                "reduce it (redistribute to Replicate) before exporting"
+            )
         if isinstance(p, Replicate):
             continue
         if isinstance(p, _StridedShard):
@@ -164,8 +172,10 @@ def check_even(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
             continue
         n = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
         if shape[d] % n:
-            raise ValueError(f"dim {d} of size {shape[d]} is not divisible by {n} ({axes}): torch pads this "
-                             "uneven shard, JAX cannot place it; choose a mesh that divides it")
+            raise ValueError(
+                f"dim {d} of size {shape[d]} is not divisible by {n} ({axes}): torch pads this "
+                "uneven shard, JAX cannot place it; choose a mesh that divides it"
+            )
 
 
 # --- parity ----------------------------------------------------------------------------
@@ -190,8 +200,9 @@ def compare_logits(reference: np.ndarray, other: np.ndarray) -> Parity:
     la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
     lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
     kl = (np.exp(la) * (la - lb)).sum(-1).mean()
-    return Parity(float(np.abs(a - b).max()), float(max(kl, 0.0)),
-                  float((a.argmax(-1) == b.argmax(-1)).mean()))
+    return Parity(
+        float(np.abs(a - b).max()), float(max(kl, 0.0)), float((a.argmax(-1) == b.argmax(-1)).mean())
+    )
 
 
 def sharpen(model: torch.nn.Module, factor: float) -> None:
@@ -200,8 +211,15 @@ def sharpen(model: torch.nn.Module, factor: float) -> None:
     RoPE permutation, tiled GQA heads, a broken RoPE buffer)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-                              "attention.wo.weight", "output.weight")):
+            if name.endswith(
+                (
+                    "attention.wq.weight",
+                    "attention.wk.weight",
+                    "attention.wv.weight",
+                    "attention.wo.weight",
+                    "output.weight",
+                )
+            ):
                 p.mul_(factor)
 
 
@@ -212,8 +230,9 @@ def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
         p.data = p.data.to(dtype)
 
 
-def run_parity(model: torch.nn.Module, args, tokens: torch.Tensor, dtype: str = "float32",
-               params: dict | None = None) -> Parity:
+def run_parity(
+    model: torch.nn.Module, args, tokens: torch.Tensor, dtype: str = "float32", params: dict | None = None
+) -> Parity:
     """Logits of the torch model and of the JAX twin (on `params`, default: the model's own
     weights) for the same tokens, compared (both in `dtype`)."""
     forward = jax_twin(args).forward

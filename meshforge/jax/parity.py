@@ -14,8 +14,15 @@ from meshforge.run.checkpoint import load_full_model
 from meshforge.run.data import ShardedLoader, build_source
 
 
-def print_parity(recipe: Recipe, checkpoint: Path | None, dtype: str, sharpen_by: float | None, samples: int,
-                 seq_len: int, console: Console) -> bool:
+def print_parity(
+    recipe: Recipe,
+    checkpoint: Path | None,
+    dtype: str,
+    sharpen_by: float | None,
+    samples: int,
+    seq_len: int,
+    console: Console,
+) -> bool:
     """Compare logits (max |dlogit|, mean KL, top-1) of a checkpoint's model, or of the
     recipe's freshly initialised one, with the JAX twin's; True when within targets."""
     if checkpoint is not None:

@@ -49,7 +49,9 @@ def torch_param_specs(recipe: Recipe) -> dict[str, PartitionSpec]:
         return {}
     with trace_pool(1) as pool:
         slices = pool.submit(rank_slices, recipe, 0).result()
-    return {fqn: placements_to_spec(s["placements"], s["mesh_dims"], len(s["shape"])) for fqn, s in slices.items()}
+    return {
+        fqn: placements_to_spec(s["placements"], s["mesh_dims"], len(s["shape"])) for fqn, s in slices.items()
+    }
 
 
 class JaxTrainer:
@@ -58,15 +60,19 @@ class JaxTrainer:
         self.dims = ParallelDims.from_config(r.mesh)
         world = self.dims.world_size
         if len(jax.devices()) < world:
-            raise RuntimeError(f"the mesh needs {world} JAX devices, JAX sees {len(jax.devices())}; on CPU set "
-                               f"XLA_FLAGS=--xla_force_host_platform_device_count={world} before JAX starts")
+            raise RuntimeError(
+                f"the mesh needs {world} JAX devices, JAX sees {len(jax.devices())}; on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={world} before JAX starts"
+            )
         self.env = DistEnv(0, 0, world, world, torch.device("cpu"))  # one controller, `world` devices
         self.mesh = jax_mesh(self.dims.degrees)
         self.model_args = args = args_from_config(r.model)
         model = get_model_spec(r.model.name).build(args)
         model.init_weights(r.seed)  # the torch run's init: bit-identical on every mesh
         self.n_params = count_params(model)
-        state = {k: v for k, v in model.state_dict().items() if not (args.tie_embeddings and k == "output.weight")}
+        state = {
+            k: v for k, v in model.state_dict().items() if not (args.tie_embeddings and k == "output.weight")
+        }
         specs = torch_param_specs(r)
         self.shardings = {}
         for name, t in state.items():
@@ -76,15 +82,18 @@ class JaxTrainer:
         self.params = {k: jax.device_put(v, self.shardings[k]) for k, v in state_to_pytree(state).items()}
         del model, state
         o = r.optimizer
-        self.tx = optax.inject_hyperparams(optax.adamw)(learning_rate=o.lr, b1=o.betas[0], b2=o.betas[1], eps=o.eps,
-                                                        weight_decay=o.weight_decay)
+        self.tx = optax.inject_hyperparams(optax.adamw)(
+            learning_rate=o.lr, b1=o.betas[0], b2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay
+        )
         self.opt_state = self.tx.init(self.params)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(("dp_replicate", "dp_shard")))
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
         self.source = build_source(r.data, args.vocab_size, r.train.seq_len)
         self.loader = ShardedLoader(self.source, r.train.global_batch_size, 1)
         peak = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None
-        self.throughput = Throughput(flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu")
+        self.throughput = Throughput(
+            flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu"
+        )
         self.run_dir = Path(r.output_dir) / r.run_name
         self.state = RunState()
         self._token_ce_sum = jax_twin(args).token_ce_sum
@@ -120,16 +129,42 @@ class JaxTrainer:
     def run(self) -> RunState:
         r, st = self.recipe, self.state
         console = RunConsole(enabled=r.logging.progress)
-        record = RunRecord(self.run_dir, r.run_name, {
-            "backend": "jax", "recipe": recipe_to_dict(r), "mesh": self.dims.degrees,
-            "world_size": self.env.world_size, "device": jax.default_backend(), "n_params": self.n_params,
-            "param_specs": {k: str(s.spec) for k, s in self.shardings.items()},
-            "versions": {"jax": jax.__version__, "optax": optax.__version__}})
-        config = {**recipe_to_dict(r), **self.dims.degrees, "world_size": self.env.world_size,
-                  "layout": self.dims.label(), "backend": "jax"}
+        record = RunRecord(
+            self.run_dir,
+            r.run_name,
+            {
+                "backend": "jax",
+                "recipe": recipe_to_dict(r),
+                "mesh": self.dims.degrees,
+                "world_size": self.env.world_size,
+                "device": jax.default_backend(),
+                "n_params": self.n_params,
+                "param_specs": {k: str(s.spec) for k, s in self.shardings.items()},
+                "versions": {"jax": jax.__version__, "optax": optax.__version__},
+            },
+        )
+        config = {
+            **recipe_to_dict(r),
+            **self.dims.degrees,
+            "world_size": self.env.world_size,
+            "layout": self.dims.label(),
+            "backend": "jax",
+        }
         loggers = Loggers(r.logging, self.run_dir, r.run_name, record.run_id, config, console.console)
-        console.start(Banner(r.run_name, f"{r.model.name}/{r.model.flavor}", self.n_params, self.env.world_size,
-                             "cpu", self.dims.spelled(), r.train.steps, None, loss_floor(self.source)), self.run_dir)
+        console.start(
+            Banner(
+                r.run_name,
+                f"{r.model.name}/{r.model.flavor}",
+                self.n_params,
+                self.env.world_size,
+                "cpu",
+                self.dims.spelled(),
+                r.train.steps,
+                None,
+                loss_floor(self.source),
+            ),
+            self.run_dir,
+        )
         status = "failed"
         try:
             for step in range(1, r.train.steps + 1):
@@ -157,11 +192,19 @@ class JaxTrainer:
         return st
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
-        state_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)) if hasattr(x, "nbytes"))
+        state_bytes = sum(
+            x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)) if hasattr(x, "nbytes")
+        )
         mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state_bytes), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, []
-        return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
-                **self.throughput.rates(out["tokens"], dt), **mem}
+        return {
+            "step": step,
+            "loss": out["loss"],
+            "grad_norm": out["grad_norm"],
+            "lr": out["lr"],
+            **self.throughput.rates(out["tokens"], dt),
+            **mem,
+        }
 
 
 def train_jax(recipe: Recipe) -> RunState:

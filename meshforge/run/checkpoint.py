@@ -17,13 +17,17 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,15 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.stateful import Stateful
 
 from meshforge.configs.schema import CheckpointConfig, ModelConfig
 from meshforge.core.errors import CheckpointError, CheckpointNotFound
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, get_model_spec
+from meshforge.run.weights import hf_reader_for, load_into
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -69,8 +71,11 @@ class OptimizerState(Stateful):
         self.parts, self.optimizers = parts, optimizers
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for part, opt in zip(self.parts, self.optimizers)
-                for k, v in get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS).items()}
+        return {
+            k: v
+            for part, opt in zip(self.parts, self.optimizers)
+            for k, v in get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS).items()
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, opt in zip(self.parts, self.optimizers):
@@ -82,19 +87,29 @@ class OptimizerState(Stateful):
 # unpickled from it, so loading a checkpoint from elsewhere cannot run code. (Tensor data
 # is read by DCP with torch.load(weights_only=True).)
 _METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
-_METADATA_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-                   ("pathlib", "PurePosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                   ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        torch_constant = module == "torch" and isinstance(getattr(torch, name, None),
-                                                          (torch.dtype, torch.layout, torch.memory_format))
+        torch_constant = module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        )
         if module in _METADATA_MODULES or (module, name) in _METADATA_NAMES or torch_constant:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which no checkpoint needs; "
-                                     "refusing to load it (the file may be corrupt or malicious)")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which no checkpoint needs; "
+            "refusing to load it (the file may be corrupt or malicious)"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -128,7 +143,9 @@ def committed(folder: Path) -> list[Path]:
         if m and (p / META).is_file() and (p / ".metadata").is_file():
             done.append((int(m.group(1)), p))
         elif p.name.startswith("step-"):
-            warnings.warn(f"ignoring incomplete checkpoint {p} (no {META}: it was never committed)", stacklevel=2)
+            warnings.warn(
+                f"ignoring incomplete checkpoint {p} (no {META}: it was never committed)", stacklevel=2
+            )
     return [p for _, p in sorted(done)]
 
 
@@ -143,8 +160,10 @@ def resolve_load(spec: str, folder: Path) -> Path | None:
         return path
     found = committed(path)
     if not found:
-        raise CheckpointNotFound(f"checkpoint.load = {spec!r}: no complete checkpoint there; "
-                                 "use 'latest' or a step-NNNNNNNN folder with meta.json")
+        raise CheckpointNotFound(
+            f"checkpoint.load = {spec!r}: no complete checkpoint there; "
+            "use 'latest' or a step-NNNNNNNN folder with meta.json"
+        )
     return found[-1]
 
 
@@ -160,24 +179,61 @@ def check_writable(folder: Path, need_bytes: float) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(f"checkpoint folder {folder} is not writable ({e.strerror}); "
-                              "set checkpoint.folder to a writable path") from None
+        raise CheckpointError(
+            f"checkpoint folder {folder} is not writable ({e.strerror}); "
+            "set checkpoint.folder to a writable path"
+        ) from None
     free = shutil.disk_usage(folder).free
     if free < need_bytes:
-        raise CheckpointError(f"checkpoint folder {folder} has {free / GiB:.1f} GiB free but one checkpoint needs "
-                              f"about {need_bytes / GiB:.1f} GiB; free space or point checkpoint.folder elsewhere")
+        raise CheckpointError(
+            f"checkpoint folder {folder} has {free / GiB:.1f} GiB free but one checkpoint needs "
+            f"about {need_bytes / GiB:.1f} GiB; free space or point checkpoint.folder elsewhere"
+        )
 
 
 class Checkpointer:
-    """Saves (sync or async) and commits checkpoints; every rank calls every method."""
+    """What a run starts from (`restore`), when it saves (`maybe_save`), and saving (sync or
+    async) with an atomic commit. Every rank calls every method."""
 
-    def __init__(self, cfg: CheckpointConfig, folder: Path, model: ModelState, optim: OptimizerState, is_main: bool):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        folder: Path,
+        model: ModelState,
+        optim: OptimizerState,
+        is_main: bool,
+        need_bytes: float = 0,
+    ):
+        """`need_bytes`: about what one checkpoint takes; an enabled checkpointer checks the
+        folder is writable and has that much room before training, not at the first save."""
         self.cfg, self.folder, self.is_main = cfg, folder, is_main
+        if cfg.enabled and is_main:
+            check_writable(folder, need_bytes)
         self.state = {"model": model, "optim": optim}
         self._pending = None  # (future, tmp folder, meta) of an async save
         # async saves run collectives from a thread: give them their own group, so they
         # never interleave with the training step's collectives on the default group
         self._pg = dist.new_group(backend="gloo") if (cfg.async_save and dist.is_initialized()) else None
+
+    def restore(self, parts: list[nn.Module], model_args, loader, schedulers: list) -> dict | None:
+        """Resume from `checkpoint.load` (model, optimizer, data position, LR schedule, on any
+        mesh) and return {path, step, run_id}; else load seed weights (`init_from`, or
+        `init_from_hf` with each rank reading only its shards) and return None."""
+        c = self.cfg
+        path = resolve_load(c.load, self.folder) if c.load else None
+        if path is not None:
+            meta = self.load(path)
+            loader.load_state_dict({"position": meta["data_position"]})
+            for sched in schedulers:
+                sched.load_state_dict(meta["lr_scheduler"])
+            return {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}
+        if c.init_from:
+            self.load(resolve_load(c.init_from, Path(c.init_from)), model_only=True)
+        elif c.init_from_hf:
+            reader = hf_reader_for(Path(c.init_from_hf), model_args)
+            for part in parts:
+                load_into(part, reader)
+        return None
 
     def maybe_save(self, step: int, last: bool, stopping: bool, meta: Callable[[], dict]) -> bool:
         """The checkpoint policy: save every `interval` steps, after the last step

@@ -43,8 +43,10 @@ class RunConsole:
     def start(self, b: Banner, run_dir: Path) -> None:
         if not self.enabled:
             return
-        self.console.print(f"[bold]meshforge[/] {b.run_name}: {b.model} ({b.n_params:,} params) on "
-                           f"{b.world_size} x {b.device_type} [{b.mesh}]")
+        self.console.print(
+            f"[bold]meshforge[/] {b.run_name}: {b.model} ({b.n_params:,} params) on "
+            f"{b.world_size} x {b.device_type} [{b.mesh}]"
+        )
         if b.pipeline:
             self.console.print(b.pipeline)
         if b.loss_floor is not None:
@@ -53,9 +55,13 @@ class RunConsole:
         self._total = b.total_steps
         if self.console.is_terminal:
             self._progress = Progress(
-                TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), console=self.console,
+                TextColumn("[bold blue]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(),
+                console=self.console,
             )
             self._task = self._progress.add_task("train", total=b.total_steps, loss="-", tps="-")
             self._progress.start()
@@ -69,15 +75,24 @@ class RunConsole:
         elif time.monotonic() - self._last_print > 2.0 or step == self._total or step == 1:
             # not a terminal (CI, a launcher's pipe): a plain line every couple of seconds
             self._last_print = time.monotonic()
-            self.console.print(f"step {step}/{self._total}  loss {loss}  grad_norm {metrics['grad_norm']:.3f}  "
-                               f"lr {metrics['lr']:.2e}  {tps} tok/s")
+            self.console.print(
+                f"step {step}/{self._total}  loss {loss}  grad_norm {metrics['grad_norm']:.3f}  "
+                f"lr {metrics['lr']:.2e}  {tps} tok/s"
+            )
 
     def note(self, text: str) -> None:
         if self.enabled:
             self.console.print(f"[yellow]{text}[/]", highlight=False)
 
-    def finish(self, run_name: str, status: str, summary: dict, run_dir: Path, device_type: str,
-               logger_paths: dict[str, str]) -> None:
+    def finish(
+        self,
+        run_name: str,
+        status: str,
+        summary: dict,
+        run_dir: Path,
+        device_type: str,
+        logger_paths: dict[str, str],
+    ) -> None:
         """The summary table, then per-rank memory and memory by category when there are several ranks."""
         if not self.enabled:
             return
@@ -129,7 +144,9 @@ def memory_table(per_rank: list[dict]) -> Table:
 
 def breakdown_table(per_rank: list[dict], step: int, picture: Path) -> Table:
     """Per-rank memory by category at the tracked step's peak (MiB)."""
-    table = Table(title=f"memory by category at the peak of step {step} (MiB, tracked tensors); {picture.name}")
+    table = Table(
+        title=f"memory by category at the peak of step {step} (MiB, tracked tensors); {picture.name}"
+    )
     table.add_column("rank")
     for k in (*CATEGORIES, "total"):
         table.add_column(k, justify="right")

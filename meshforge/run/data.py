@@ -8,9 +8,10 @@ data-parallel degree, and a run can continue it exactly on another mesh.
 from __future__ import annotations
 
 import glob
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -61,10 +62,12 @@ class MarkovSource:
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
         # one generator per sample: content depends only on (seed, global index)
-        u = torch.stack([
-            torch.rand(self.seq_len + 1, generator=seeded_generator(self.seed, i), dtype=torch.float64)
-            for i in indices
-        ])  # (B, L+1)
+        u = torch.stack(
+            [
+                torch.rand(self.seq_len + 1, generator=seeded_generator(self.seed, i), dtype=torch.float64)
+                for i in indices
+            ]
+        )  # (B, L+1)
         stationary_cdf = self.stationary.cumsum(0)
         state = torch.searchsorted(stationary_cdf, u[:, :1].contiguous()).clamp_max(self.vocab_size - 1)
         out = [state]
@@ -82,14 +85,18 @@ class TokenWindows:
         self.tokens, self.seq_len, self.seed = tokens.long(), seq_len, seed
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"{len(tokens)} tokens cannot fill one sample of seq_len={seq_len}+1; "
-                             "add data or lower train.seq_len")
+            raise DataError(
+                f"{len(tokens)} tokens cannot fill one sample of seq_len={seq_len}+1; "
+                "add data or lower train.seq_len"
+            )
         self._perms: dict[int, torch.Tensor] = {}
 
     def _window(self, index: int) -> int:
         epoch, i = divmod(index, self.n_windows)
         if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(self.n_windows, generator=seeded_generator(self.seed, epoch))}
+            self._perms = {
+                epoch: torch.randperm(self.n_windows, generator=seeded_generator(self.seed, epoch))
+            }
         return int(self._perms[epoch][i])
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
@@ -156,7 +163,9 @@ def _texts(cfg: DataConfig) -> list[str]:
     else:
         ds = datasets.load_dataset(cfg.hf_dataset, split="train")
     if cfg.text_column not in ds.column_names:
-        raise MissingColumn(f"data.text_column = {cfg.text_column!r} not in the dataset's columns {ds.column_names}")
+        raise MissingColumn(
+            f"data.text_column = {cfg.text_column!r} not in the dataset's columns {ds.column_names}"
+        )
     return list(ds[cfg.text_column])
 
 
@@ -166,8 +175,10 @@ def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> TokenSource:
         return MarkovSource(vocab_size, seq_len, cfg.markov_branching, cfg.seed)
     tok = build_tokenizer(cfg.tokenizer)
     if tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size = {vocab_size}; "
-                         f"set model.vocab_size={tok.vocab_size}")
+        raise DataError(
+            f"tokenizer has {tok.vocab_size} tokens but model.vocab_size = {vocab_size}; "
+            f"set model.vocab_size={tok.vocab_size}"
+        )
     ids = tok.encode("\n\n".join(_texts(cfg)))
     return TokenWindows(torch.tensor(ids, dtype=torch.long), seq_len, cfg.seed)
 
@@ -185,7 +196,9 @@ class ShardedLoader:
     G-slice a*(micro*dp) + d*micro + [0, micro). Its state is one global sample index.
     """
 
-    def __init__(self, source: TokenSource, micro_batch: int, grad_accum: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self, source: TokenSource, micro_batch: int, grad_accum: int, dp_rank: int = 0, dp_size: int = 1
+    ):
         self.source, self.micro, self.accum = source, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # next global sample index
@@ -215,5 +228,13 @@ def loss_floor(source: TokenSource) -> float | None:
     return source.entropy_rate() if isinstance(source, MarkovSource) else None
 
 
-__all__ = ["MarkovSource", "TokenWindows", "ByteTokenizer", "HFTokenizer", "build_source", "ShardedLoader",
-           "Batch", "loss_floor"]
+__all__ = [
+    "MarkovSource",
+    "TokenWindows",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "build_source",
+    "ShardedLoader",
+    "Batch",
+    "loss_floor",
+]

@@ -58,8 +58,9 @@ def setup(device_request: str, cpu_threads: int = 0) -> DistEnv:
         torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT,
-                                device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device_type == "cuda" else None
+        )
     return DistEnv(rank, local_rank, world, local_world, device)
 
 

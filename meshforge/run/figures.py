@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction  # noqa: E402
+from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction, pipeline_order  # noqa: E402
 from meshforge.run.memtrace import CATEGORIES  # noqa: E402
 
 COMPUTE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"}
@@ -34,10 +34,23 @@ def timeline(order: dict[int, list[str | None]], title: str):
     ax.set_xlabel("time step")
     ax.set_title(f"{title}: bubble {bubble_fraction(order):.1%}")
     labels = {"F": "F forward", "B": "B / I backward (input)", "W": "W backward (weights)"}
-    ax.legend(handles=[Patch(color=COMPUTE_COLORS[k], label=text) for k, text in labels.items()],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="x-small")
+    ax.legend(
+        handles=[Patch(color=COMPUTE_COLORS[k], label=text) for k, text in labels.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize="x-small",
+    )
     fig.tight_layout()
     return fig
+
+
+def save_pipeline(schedule, title: str, path: Path) -> tuple:
+    """Draw what a torch pipeline schedule runs, per rank, to `path`; the figure and the
+    schedule's bubble fraction."""
+    order = pipeline_order(schedule)
+    fig = timeline(order, title)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return fig, bubble_fraction(order)
 
 
 def breakdown_figure(per_rank: list[dict[str, float]], title: str):
@@ -48,7 +61,11 @@ def breakdown_figure(per_rank: list[dict[str, float]], title: str):
         values = [r.get(cat, 0) / 2**20 for r in per_rank]
         ax.bar(range(len(per_rank)), values, bottom=bottom, label=cat)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xticks(range(len(per_rank)), [f"rank {i}" for i in range(len(per_rank))], rotation=45 if len(per_rank) > 8 else 0)
+    ax.set_xticks(
+        range(len(per_rank)),
+        [f"rank {i}" for i in range(len(per_rank))],
+        rotation=45 if len(per_rank) > 8 else 0,
+    )
     ax.set_ylabel("MiB at the step's peak")
     ax.set_title(title)
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))

@@ -38,7 +38,10 @@ class BadStepBudget:
         self.seen += 1
         if self.seen > self.allowed:
             raise NonFiniteLoss(
-                f"non-finite loss ({out['loss']}) or grad norm ({out['grad_norm']}) at step {step}; the update was "
-                f"not applied. Lower optimizer.lr, check the data, or allow skipping with train.max_bad_steps "
-                f"(now {self.allowed})")
-        return f"step {step}: non-finite loss or grad norm, update skipped ({self.seen}/{self.allowed} allowed)"
+                f"non-finite loss ({out['loss']}) or grad norm ({out['grad_norm']}) at step {step}; the "
+                "update was not applied. Lower optimizer.lr, check the data, or allow skipping with "
+                f"train.max_bad_steps (now {self.allowed})"
+            )
+        return (
+            f"step {step}: non-finite loss or grad norm, update skipped ({self.seen}/{self.allowed} allowed)"
+        )

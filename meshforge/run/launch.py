@@ -38,10 +38,16 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     """
     log_dir = Path(recipe.output_dir) / recipe.run_name / "logs"
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
         run_id=f"meshforge-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", local_addr="127.0.0.1",
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        local_addr="127.0.0.1",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         log_line_prefix_template="[rank${rank}] ",
     )
@@ -51,5 +57,7 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         first_rank, failure = e.get_first_failure()
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         mark_failed(log_dir.parent / "run.json", f"rank {first_rank}: {message or failure.exitcode}")
-        raise LaunchFailed(f"rank {first_rank} failed (exit code {failure.exitcode}): {message or 'see its log'}; "
-                           f"logs in {log_dir}") from None
+        raise LaunchFailed(
+            f"rank {first_rank} failed (exit code {failure.exitcode}): {message or 'see its log'}; "
+            f"logs in {log_dir}"
+        ) from None

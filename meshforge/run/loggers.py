@@ -75,8 +75,15 @@ class WandbLogger:
         self._wandb = wandb
         mode = wandb_mode(cfg)
         kwargs = dict(
-            project=cfg.wandb_project, entity=cfg.wandb_entity, group=cfg.wandb_group, name=run_name,
-            tags=list(cfg.wandb_tags), config=config, dir=str(run_dir), id=run_id, resume="allow",
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            group=cfg.wandb_group,
+            name=run_name,
+            tags=list(cfg.wandb_tags),
+            config=config,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
         )
         settings = wandb.Settings(init_timeout=60, silent=True, console="off")
         try:
@@ -84,7 +91,9 @@ class WandbLogger:
         except Exception as e:  # no network, bad key, timeout: keep the run, go offline
             if mode != "online":
                 raise
-            console.print(f"[yellow]W&B online init failed ({type(e).__name__}: {e}); logging offline instead[/]")
+            console.print(
+                f"[yellow]W&B online init failed ({type(e).__name__}: {e}); logging offline instead[/]"
+            )
             self.run = wandb.init(mode="offline", settings=settings, **kwargs)
         self.mode = "disabled" if self.run.disabled else self.run.settings.mode
         # a custom step axis, so a resumed run continues it instead of W&B's own counter

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,9 @@ def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_tensors(parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+def model_state_tensors(
+    parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> list[torch.Tensor]:
     """Parameters, their gradients, and the optimizers' per-parameter state."""
     out = []
     for part in parts:
@@ -73,8 +75,9 @@ def rank_memory(device: torch.device, state: int) -> dict[str, float]:
     }
 
 
-def reduce_across_ranks(values: dict[str, float], device: torch.device,
-                        prefix: str = "mem/") -> tuple[dict[str, float], list[dict]]:
+def reduce_across_ranks(
+    values: dict[str, float], device: torch.device, prefix: str = "mem/"
+) -> tuple[dict[str, float], list[dict]]:
     """{prefix+key_max, _min, _max_rank} over all ranks, and every rank's values (on all ranks)."""
     keys = sorted(values)
     local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
@@ -100,29 +103,49 @@ def start_memory_history(device: torch.device, max_entries: int = 100_000) -> No
         torch.cuda.memory._record_memory_history(max_entries=max_entries)
 
 
-def dump_oom(run_dir, rank: int, device: torch.device, step: int, phase: str, estimate_bytes: float,
-             error: BaseException) -> dict:
+def dump_oom(
+    run_dir,
+    rank: int,
+    device: torch.device,
+    step: int,
+    phase: str,
+    estimate_bytes: float,
+    error: BaseException,
+) -> dict:
     """Write `oom-rank<r>.json` (and on CUDA the allocator snapshot `oom-rank<r>.pickle`,
     loadable at pytorch.org/memory_viz) and return the report with a message for the user."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    report = {"rank": rank, "step": step, "phase": phase, "device": str(device),
-              "estimate_bytes_per_rank": estimate_bytes, "error": str(error).splitlines()[0] if str(error) else ""}
+    report = {
+        "rank": rank,
+        "step": step,
+        "phase": phase,
+        "device": str(device),
+        "estimate_bytes_per_rank": estimate_bytes,
+        "error": str(error).splitlines()[0] if str(error) else "",
+    }
     if device.type == "cuda":
         snapshot = run_dir / f"oom-rank{rank}.pickle"
         torch.cuda.memory._dump_snapshot(str(snapshot))
         report["snapshot"] = str(snapshot)
         report["device_bytes"] = torch.cuda.get_device_properties(device).total_memory
-        report["memory_stats"] = {k: v for k, v in torch.cuda.memory_stats(device).items()
-                                  if k in ("allocated_bytes.all.peak", "reserved_bytes.all.current", "num_ooms",
-                                           "num_alloc_retries")}
+        report["memory_stats"] = {
+            k: v
+            for k, v in torch.cuda.memory_stats(device).items()
+            if k
+            in ("allocated_bytes.all.peak", "reserved_bytes.all.current", "num_ooms", "num_alloc_retries")
+        }
     have = f" of {report['device_bytes'] / GiB:.1f} GiB" if "device_bytes" in report else ""
     report["message"] = (
         f"rank {rank} ran out of memory{have} in {phase} at step {step} (analytic estimate "
         f"{estimate_bytes / GiB:.2f} GiB per rank; `meshforge estimate RECIPE` traces it by category)"
-        + (f"; allocator snapshot: {report['snapshot']} (open at https://pytorch.org/memory_viz)"
-           if "snapshot" in report else "")
+        + (
+            f"; allocator snapshot: {report['snapshot']} (open at https://pytorch.org/memory_viz)"
+            if "snapshot" in report
+            else ""
+        )
         + ". Lower train.micro_batch_size, set activation_checkpoint.mode=full, or shard more "
-          "(mesh.dp_shard, mesh.tp, mesh.pp)")
+        "(mesh.dp_shard, mesh.tp, mesh.pp)"
+    )
     (run_dir / f"oom-rank{rank}.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

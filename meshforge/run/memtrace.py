@@ -9,6 +9,9 @@ traces one for `meshforge estimate` (simulate/estimate.py). We fold its labels i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -17,13 +20,21 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communicat
 
 # torch's labels (MemTracker's _MemRefType and FSDPMemTracker's _FSDPRefType values) -> ours
 _FOLD = {
-    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Parameter": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
     "Buffer": "parameters",
-    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
-    "Optstate": "optimizer", "OptState": "optimizer",
-    "Activation": "activations", "Inputs": "activations",
-    "All Gather": "communication", "Reduce Scatter": "communication",
-    "Temp": "temporaries", "Other": "temporaries",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "All Gather": "communication",
+    "Reduce Scatter": "communication",
+    "Temp": "temporaries",
+    "Other": "temporaries",
 }
 
 
@@ -50,6 +61,17 @@ def make_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     tracker = StepMemTracker()
     tracker.track_external(*parts, *optimizers)
     return tracker
+
+
+@contextlib.contextmanager
+def tracked_step(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], eager: bool) -> Iterator:
+    """Track memory by category over the block. torch.compile cannot run under a dispatch
+    mode, so with eager=True (a compiled model) the block runs eagerly, as the estimator
+    traces it: under compile the figures are the eager step's."""
+    stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+    tracker = make_tracker(parts, optimizers)
+    with stance, tracker:
+        yield tracker
 
 
 class StepMemTracker(MemTracker):

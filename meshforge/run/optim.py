@@ -10,8 +10,9 @@ from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 
 
 def build_optimizer(params, cfg: OptimizerConfig, foreach: bool | None = None) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             foreach=foreach)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=foreach
+    )
 
 
 def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
@@ -27,6 +28,7 @@ def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
     return 1.0
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, total_steps: int,
-                       cfg: LRSchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    opt: torch.optim.Optimizer, total_steps: int, cfg: LRSchedulerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, total_steps, cfg))

@@ -36,16 +36,33 @@ class Plan:
         rows = [
             ("model", f"{r.model.name}/{r.model.flavor}: {self.n_params:,} parameters"),
             ("mesh", ", ".join(f"{k}={v}" for k, v in d.degrees.items()) + f"  (world size {d.world_size})"),
-            ("batch", f"global {self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {d.dp}"),
+            (
+                "batch",
+                f"global {self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} "
+                f"x dp {d.dp}",
+            ),
             ("tokens/step", f"{self.tokens_per_step:,} (seq_len {r.train.seq_len})"),
             ("steps", str(r.train.steps)),
-            ("model states/rank", f"{self.state_bytes_per_rank / GiB:.2f} GiB (fp32 params+grads+AdamW, "
-                                  f"sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp})"),
-            ("activations/rank", f"~{self.activation_bytes_per_rank / GiB:.2f} GiB (rough; incl. fp32 logits)"),
+            (
+                "model states/rank",
+                f"{self.state_bytes_per_rank / GiB:.2f} GiB (fp32 params+grads+AdamW, "
+                f"sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp})",
+            ),
+            (
+                "activations/rank",
+                f"~{self.activation_bytes_per_rank / GiB:.2f} GiB (rough; incl. fp32 logits)",
+            ),
         ]
         if self.layout is not None:
-            rows.append(("pipeline", f"{r.pp.schedule}, {r.pp.microbatches} microbatches, stages -> layers: "
-                                     + "; ".join(f"{s}: {l[0]}-{l[-1]}" if l else f"{s}: -" for s, l in enumerate(self.layout))))
+            rows.append(
+                (
+                    "pipeline",
+                    f"{r.pp.schedule}, {r.pp.microbatches} microbatches, stages -> layers: "
+                    + "; ".join(
+                        f"{s}: {ids[0]}-{ids[-1]}" if ids else f"{s}: -" for s, ids in enumerate(self.layout)
+                    ),
+                )
+            )
         return rows
 
 
@@ -57,9 +74,14 @@ def make_plan(r: Recipe) -> Plan:
     layout = stage_layout(args.n_layers, dims.pp * r.pp.stages_per_rank, r.pp) if dims.pp_enabled else None
     shards = dims.dp_shard * dims.tp * dims.pp  # replicas (dp_replicate) hold full copies
     return Plan(
-        n_params=n_params, dims=dims, global_batch=r.train.global_batch_size, micro_batch=r.train.micro_batch_size,
-        grad_accum=r.train.grad_accum_steps, tokens_per_step=r.train.global_batch_size * r.train.seq_len,
-        layout=layout, state_bytes_per_rank=16 * n_params / shards,
+        n_params=n_params,
+        dims=dims,
+        global_batch=r.train.global_batch_size,
+        micro_batch=r.train.micro_batch_size,
+        grad_accum=r.train.grad_accum_steps,
+        tokens_per_step=r.train.global_batch_size * r.train.seq_len,
+        layout=layout,
+        state_bytes_per_rank=16 * n_params / shards,
         activation_bytes_per_rank=activation_bytes(r, args, dims),
     )
 
@@ -91,25 +113,38 @@ def check_machine(plan: Plan, device_type: str, launching_locally: bool) -> list
     problems = []
     world = plan.dims.world_size
     if device_type == "cuda" and not torch.cuda.is_available():
-        problems.append("the recipe asks for CUDA (train.device='cuda') but no GPU is visible here; "
-                        "override train.device=cpu to run on CPU processes")
-    if device_type == "cuda" and torch.cuda.is_available() and launching_locally and world > torch.cuda.device_count():
-        problems.append(f"the mesh needs {world} GPUs on this node but {torch.cuda.device_count()} are visible; "
-                        "use torchrun across nodes, or shrink the mesh (e.g. mesh.dp_shard=-1 --nproc "
-                        f"{torch.cuda.device_count()})")
+        problems.append(
+            "the recipe asks for CUDA (train.device='cuda') but no GPU is visible here; "
+            "override train.device=cpu to run on CPU processes"
+        )
+    if (
+        device_type == "cuda"
+        and torch.cuda.is_available()
+        and launching_locally
+        and world > torch.cuda.device_count()
+    ):
+        problems.append(
+            f"the mesh needs {world} GPUs on this node but {torch.cuda.device_count()} are visible; "
+            "use torchrun across nodes, or shrink the mesh (e.g. mesh.dp_shard=-1 --nproc "
+            f"{torch.cuda.device_count()})"
+        )
     local = world if launching_locally else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if device_type == "cuda" and torch.cuda.is_available():
         have = torch.cuda.get_device_properties(0).total_memory
         need = plan.bytes_per_rank
         if need > have:
-            problems.append(f"model states and activations need about {need / GiB:.1f} GiB per GPU but a GPU has "
-                            f"{have / GiB:.1f} GiB; shard more (mesh.dp_shard, mesh.tp, mesh.pp), lower "
-                            "train.micro_batch_size or train.seq_len, or use activation_checkpoint.mode=full")
+            problems.append(
+                f"model states and activations need about {need / GiB:.1f} GiB per GPU but a GPU has "
+                f"{have / GiB:.1f} GiB; shard more (mesh.dp_shard, mesh.tp, mesh.pp), lower "
+                "train.micro_batch_size or train.seq_len, or use activation_checkpoint.mode=full"
+            )
     elif device_type == "cpu":
         need, have = plan.bytes_per_rank * local, host_memory_bytes()
         if need > 0.7 * have:
-            problems.append(f"{local} process(es) need about {need / GiB:.1f} GiB (model states + activations) but "
-                            f"this machine has {have / GiB:.1f} GiB; shrink the model for a CPU run, e.g. "
-                            "model.n_layers=2 model.dim=256 model.n_heads=8 model.n_kv_heads=2 model.vocab_size=4096 train.seq_len=128 "
-                            "train.micro_batch_size=2 (the recipe's header has the full command)")
+            problems.append(
+                f"{local} process(es) need about {need / GiB:.1f} GiB (model states + activations) but "
+                f"this machine has {have / GiB:.1f} GiB; shrink the model for a CPU run, e.g. "
+                "model.n_layers=2 model.dim=256 model.n_heads=8 model.n_kv_heads=2 model.vocab_size=4096 "
+                "train.seq_len=128 train.micro_batch_size=2 (the recipe's header has the full command)"
+            )
     return problems

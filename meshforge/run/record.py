@@ -27,7 +27,11 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only records up to `last_step`, so a resumed run logs every step exactly once."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
@@ -42,7 +46,9 @@ class RunState:
     tokens_per_sec: list[float] = field(default_factory=list)
     last_memory: dict = field(default_factory=dict)
     per_rank_memory: list = field(default_factory=list)
-    memory_breakdown: list = field(default_factory=list)  # per rank: category -> bytes at the tracked step's peak
+    memory_breakdown: list = field(
+        default_factory=list
+    )  # per rank: category -> bytes at the tracked step's peak
     memory_breakdown_step: int = 0
 
 
@@ -59,7 +65,11 @@ class Throughput:
         """One step's tokens/s (all ranks), its time, TFLOP/s per device and MFU."""
         tokens_per_sec = tokens / seconds
         flops_per_device = self.flops_per_token * tokens_per_sec / self.world_size
-        out = {"tokens_per_sec": tokens_per_sec, "step_time": seconds, "tflops_per_device": flops_per_device / 1e12}
+        out = {
+            "tokens_per_sec": tokens_per_sec,
+            "step_time": seconds,
+            "tflops_per_device": flops_per_device / 1e12,
+        }
         if self.peak_flops:
             out["mfu"] = flops_per_device / self.peak_flops
         return out
@@ -72,8 +82,12 @@ def summarize(st: RunState, tp: Throughput, loss_floor: float | None = None) -> 
     out: dict = {"steps": st.step}
     if st.losses:
         tps = sum(steady) / len(steady)
-        out.update(final_loss=st.losses[-1], best_loss=min(st.losses), tokens_per_sec=tps,
-                   tflops_per_device=tp.flops_per_token * tps / tp.world_size / 1e12)
+        out.update(
+            final_loss=st.losses[-1],
+            best_loss=min(st.losses),
+            tokens_per_sec=tps,
+            tflops_per_device=tp.flops_per_token * tps / tp.world_size / 1e12,
+        )
         if tp.peak_flops:
             out["mfu"] = out["tflops_per_device"] * 1e12 / tp.peak_flops
             out["peak_tflops_per_device"] = tp.peak_flops / 1e12
@@ -101,7 +115,11 @@ class RunRecord:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resumed:
             truncate_metrics(run_dir / "metrics.jsonl", resumed["step"])  # later steps are logged again
-        versions = {"meshforge": meshforge.__version__, "torch": torch.__version__, **info.pop("versions", {})}
+        versions = {
+            "meshforge": meshforge.__version__,
+            "torch": torch.__version__,
+            **info.pop("versions", {}),
+        }
         self.info = {
             "run_id": resumed.get("run_id") or f"{run_name}-{uuid.uuid4().hex[:8]}",
             "resumed_from": resumed.get("path"),

@@ -23,8 +23,9 @@ IGNORE_INDEX = -100
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of token cross-entropies: the caller divides by the global count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
 
 
 @dataclass(frozen=True)

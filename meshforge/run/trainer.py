@@ -10,7 +10,6 @@ console what the terminal shows; the loop only steps, logs and asks them.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import Interrupted, OutOfMemory
@@ -26,13 +24,13 @@ from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import build_meshes, materialize, parallelize
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
-from meshforge.parallelisms.pp_actions import bubble_fraction, pipeline_order
 from meshforge.run import distributed as mfdist
-from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState, check_writable, resolve_load
+from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState
 from meshforge.run.console import Banner, RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
-from meshforge.run.figures import save_breakdown, timeline
+from meshforge.run.figures import save_breakdown, save_pipeline
 from meshforge.run.flops import device_peak_flops, flops_per_token
+from meshforge.run.forward_backward import ForwardBackward
 from meshforge.run.guards import BadStepBudget, StopSignals
 from meshforge.run.loggers import Loggers
 from meshforge.run.memory import (
@@ -43,12 +41,11 @@ from meshforge.run.memory import (
     start_memory_history,
     state_bytes,
 )
-from meshforge.run.memtrace import make_tracker, peak_categories
+from meshforge.run.memtrace import peak_categories, tracked_step
 from meshforge.run.optim import build_lr_scheduler, build_optimizer
 from meshforge.run.plan import make_plan
 from meshforge.run.record import RunRecord, RunState, Throughput, summarize
-from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm, cross_entropy_sum
-from meshforge.run.weights import hf_reader_for, load_into
+from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 
 # Our blocks add to the embedding output out of place, the case this warning is about.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
@@ -62,8 +59,9 @@ class Trainer:
             start_memory_history(self.env.device)
         self.dims = ParallelDims.from_config(r.mesh)
         if self.dims.world_size != self.env.world_size:
-            raise RuntimeError(f"mesh {self.dims.degrees} needs {self.dims.world_size} ranks, "
-                               f"running {self.env.world_size}")
+            raise RuntimeError(
+                f"mesh {self.dims.degrees} needs {self.dims.world_size} ranks, running {self.env.world_size}"
+            )
         torch.manual_seed(r.seed)
         if r.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -75,13 +73,21 @@ class Trainer:
         with torch.device("meta"):
             model = self.spec.build(self.model_args)
         self.n_params = count_params(model)
-        self.pmodel = parallelize(model, self.meshes, self.dims, self.spec, tp=r.tp, pp=r.pp,
-                                  ac=r.activation_checkpoint, compile=r.compile, fsdp=r.fsdp)
+        self.pmodel = parallelize(
+            model,
+            self.meshes,
+            self.dims,
+            self.spec,
+            tp=r.tp,
+            pp=r.pp,
+            ac=r.activation_checkpoint,
+            compile=r.compile,
+            fsdp=r.fsdp,
+        )
         for part in self.pmodel.parts:
             materialize(part, self.env.device, r.seed)
             part.train()
         self.params = [p for part in self.pmodel.parts for p in part.parameters()]
-        self.policy = StepPolicy.of(self.dims, r.tp, r.fsdp)
 
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
         self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
@@ -90,102 +96,81 @@ class Trainer:
         # data: this rank's dp coordinate decides its slice of every global batch
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
         self.source = build_source(r.data, self.model_args.vocab_size, r.train.seq_len)
-        self.loader = ShardedLoader(self.source, r.train.micro_batch_size, r.train.grad_accum_steps, dp_rank,
-                                    self.dims.dp)
+        self.loader = ShardedLoader(
+            self.source, r.train.micro_batch_size, r.train.grad_accum_steps, dp_rank, self.dims.dp
+        )
 
-        n_stages = self.dims.pp * r.pp.stages_per_rank
-        self.has_first = 0 in self.pmodel.stage_ids
-        self.has_last = (n_stages - 1) in self.pmodel.stage_ids
+        ids, n_stages = self.pmodel.stage_ids, self.dims.pp * r.pp.stages_per_rank
+        self.forward_backward = ForwardBackward(
+            self.pmodel.parts,
+            None,
+            0 in ids,
+            n_stages - 1 in ids,
+            r.pp.microbatches,
+            StepPolicy.of(self.dims, r.tp, r.fsdp),
+            self.env.device,
+        )
         self.schedule = None
-        self._ce_sums: list[torch.Tensor] = []
         if self.dims.pp_enabled:
-            self.schedule = build_schedule(self.pmodel.parts, self.pmodel.stage_ids, self.meshes.pp, r.pp,
-                                           self.env.device, self._pipeline_loss)
+            self.schedule = build_schedule(
+                self.pmodel.parts,
+                ids,
+                self.meshes.pp,
+                r.pp,
+                self.env.device,
+                self.forward_backward.pipeline_loss,
+            )
+            self.forward_backward.schedule = self.schedule
         self.run_dir = Path(r.output_dir) / r.run_name
-        self._setup_checkpoints()
-        self.throughput = Throughput(flops_per_token(self.model_args, r.train.seq_len, self.n_params),
-                                     self.env.world_size, device_peak_flops(self.env, r.fsdp.param_dtype),
-                                     self.env.device.type)
+        c = r.checkpoint
+        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
+        state = ModelState(self.pmodel.parts), OptimizerState(self.pmodel.parts, self.optimizers)
+        self.checkpointer = Checkpointer(c, folder, *state, self.env.is_main, need_bytes=12 * self.n_params)
+        self.resumed = self.checkpointer.restore(
+            self.pmodel.parts, self.model_args, self.loader, self.schedulers
+        )
+        self.start_step = self.resumed["step"] if self.resumed else 0
+        self.throughput = Throughput(
+            flops_per_token(self.model_args, r.train.seq_len, self.n_params),
+            self.env.world_size,
+            device_peak_flops(self.env, r.fsdp.param_dtype),
+            self.env.device.type,
+        )
         self.state = RunState(step=self.start_step)
         self.stop = StopSignals()
-        self.phase = "setup"  # what the step is doing, for an out-of-memory report
         self._breakdown_blocked = None
         if self.dims.pp_enabled and r.pp.schedule in ZERO_BUBBLE_SCHEDULES:
             self._breakdown_blocked = (
-                f"no memory-by-category step under {r.pp.schedule}: its split backward runs torch.autograd.grad, "
-                "which torch's MemTracker hooks cannot follow (meshforge estimate still traces it)")
+                f"no memory-by-category step under {r.pp.schedule}: its split backward runs "
+                "torch.autograd.grad, which torch's MemTracker hooks cannot follow (meshforge estimate "
+                "still traces it)"
+            )
 
     # --- checkpoints ------------------------------------------------------------------
 
-    def _setup_checkpoints(self) -> None:
-        """Seed weights or resume state (any mesh), and a writable place for new checkpoints."""
-        c = self.recipe.checkpoint
-        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
-        self.checkpointer = Checkpointer(c, folder, ModelState(self.pmodel.parts),
-                                         OptimizerState(self.pmodel.parts, self.optimizers), self.env.is_main)
-        if c.enabled and self.env.is_main:
-            check_writable(folder, need_bytes=12 * self.n_params)  # fp32 params + AdamW moments
-        self.start_step, self.resumed = 0, None
-        path = resolve_load(c.load, folder) if c.load else None
-        if path is not None:
-            meta = self.checkpointer.load(path)
-            self.start_step = meta["step"]
-            self.loader.load_state_dict({"position": meta["data_position"]})
-            for sched in self.schedulers:
-                sched.load_state_dict(meta["lr_scheduler"])
-            self.resumed = {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}
-        elif c.init_from:
-            self.checkpointer.load(resolve_load(c.init_from, Path(c.init_from)), model_only=True)
-        elif c.init_from_hf:
-            reader = hf_reader_for(Path(c.init_from_hf), self.model_args)
-            for part in self.pmodel.parts:
-                load_into(part, reader)
-
     def _checkpoint_meta(self, step: int, run_id: str | None) -> dict:
-        return {"step": step, "data_position": self.loader.position, "lr_scheduler": self.schedulers[0].state_dict(),
-                "run_id": run_id, "mesh": self.dims.degrees, "recipe": recipe_to_dict(self.recipe)}
+        return {
+            "step": step,
+            "data_position": self.loader.position,
+            "lr_scheduler": self.schedulers[0].state_dict(),
+            "run_id": run_id,
+            "mesh": self.dims.degrees,
+            "recipe": recipe_to_dict(self.recipe),
+        }
 
     # --- one step -------------------------------------------------------------------
-
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ce = cross_entropy_sum(logits, labels)
-        self._ce_sums.append(ce.detach())
-        return ce * self._loss_scale
-
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        """One microbatch (or, pipelined, the schedule's microbatches); CE sums land in _ce_sums."""
-        if self.schedule is not None:
-            self.phase = "forward/backward (pipeline schedule)"
-            kwargs = {"target": labels, "losses": []} if self.has_last else {}
-            args = (inputs,) if self.has_first else ()
-            before = len(self._ce_sums)
-            self.schedule.step(*args, **kwargs)
-            # the first step's shape inference also calls the loss on dummy data: keep the real ones
-            real = self._ce_sums[before:][-self.recipe.pp.microbatches:] if self.has_last else []
-            self._ce_sums[before:] = real
-            return
-        self.phase = "forward"
-        ce = cross_entropy_sum(self.pmodel.parts[0](inputs), labels)
-        self.phase = "backward"
-        (ce * self._loss_scale).backward()
-        self._ce_sums.append(ce.detach())
 
     def train_step(self) -> dict:
         r, env = self.recipe, self.env
         batches = self.loader.next_step()
         # the global number of target tokens, summed over accumulation and dp ranks
-        n_tokens = torch.tensor(float(sum((b.labels != IGNORE_INDEX).sum() for b in batches)), device=env.device)
+        n_tokens = torch.tensor(
+            float(sum((b.labels != IGNORE_INDEX).sum() for b in batches)), device=env.device
+        )
         if self.dims.dp > 1:
             dist.all_reduce(n_tokens, group=self.meshes.dp.get_group())
         # FSDP averages gradients over dp ranks; multiplying by dp turns that into a sum
-        self._loss_scale = self.dims.dp / n_tokens
-        self._ce_sums = []
-        for b in batches:
-            with self.policy.context(env.device.type):
-                self._forward_backward(b.inputs.to(env.device), b.labels.to(env.device))
-        ce_total = torch.zeros((), device=env.device)
-        for ce in self._ce_sums:
-            ce_total += ce.full_tensor() if isinstance(ce, DTensor) else ce
+        ce_total = self.forward_backward(batches, self.dims.dp / n_tokens)
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
         grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group))
         # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
@@ -198,15 +183,21 @@ class Trainer:
         lr = self.schedulers[0].get_last_lr()[0]
         # loss and norm are reduced over all ranks, so every rank takes the same branch
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        self.phase = "optimizer"
+        self.forward_backward.phase = "optimizer"
         if finite:
             for opt, sched in zip(self.optimizers, self.schedulers):
                 opt.step()
                 sched.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(n_tokens.item()), "finite": finite,
-                "stop": stop}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": int(n_tokens.item()),
+            "finite": finite,
+            "stop": stop,
+        }
 
     # --- the run --------------------------------------------------------------------
 
@@ -216,8 +207,9 @@ class Trainer:
         record = loggers = None
         if env.is_main:
             record = RunRecord(self.run_dir, r.run_name, self._run_info(), self.resumed)
-            loggers = Loggers(r.logging, self.run_dir, r.run_name, record.run_id, self._logger_config(),
-                              console.console)
+            loggers = Loggers(
+                r.logging, self.run_dir, r.run_name, record.run_id, self._logger_config(), console.console
+            )
             console.start(self._banner(), self.run_dir)
             if self.schedule is not None:
                 self._draw_pipeline(record, loggers)
@@ -230,11 +222,19 @@ class Trainer:
                     if not out["finite"]:
                         console.note(budget.spend(step, out))
                     last = step == r.train.steps
-                    self.checkpointer.maybe_save(step, last, out["stop"], lambda: self._checkpoint_meta(step, run_id))
+                    self.checkpointer.maybe_save(
+                        step, last, out["stop"], lambda: self._checkpoint_meta(step, run_id)
+                    )
                     if out["stop"]:
                         status = "preempted"
-                        raise Interrupted(f"stopped by a signal after step {step}" + (
-                            "; checkpoint saved, resume with checkpoint.load=latest" if r.checkpoint.enabled else ""))
+                        raise Interrupted(
+                            f"stopped by a signal after step {step}"
+                            + (
+                                "; checkpoint saved, resume with checkpoint.load=latest"
+                                if r.checkpoint.enabled
+                                else ""
+                            )
+                        )
             self.checkpointer.wait()
             status = "finished"
         except torch.OutOfMemoryError as e:
@@ -280,28 +280,29 @@ class Trainer:
     def _tracked_step(self, step: int, loggers: Loggers | None) -> dict:
         """A training step under torch's memory tracker: every rank's peak by category,
         logged (max/min over ranks), tabled at the end and drawn as a stacked bar per rank."""
-        tracker = make_tracker(self.pmodel.parts, self.optimizers)
-        # torch.compile cannot run under a dispatch mode: this one step runs eagerly (as the
-        # estimator traces it), so under compile the figures are the eager step's
-        eager = torch.compiler.set_stance("force_eager") if self.recipe.compile.enabled else contextlib.nullcontext()
-        with eager, tracker:
+        with tracked_step(self.pmodel.parts, self.optimizers, eager=self.recipe.compile.enabled) as tracker:
             out = self.train_step()
-        reduced, per_rank = reduce_across_ranks(peak_categories(tracker), self.env.device, prefix="mem_breakdown/")
+        reduced, per_rank = reduce_across_ranks(
+            peak_categories(tracker), self.env.device, prefix="mem_breakdown/"
+        )
         self.state.memory_breakdown, self.state.memory_breakdown_step = per_rank, step
         out["memory_breakdown"] = reduced
         if loggers is not None:
-            fig = save_breakdown(per_rank, self.run_dir / "memory_breakdown.png",
-                                 f"{self.recipe.run_name}: memory by category at step {step}")
+            fig = save_breakdown(
+                per_rank,
+                self.run_dir / "memory_breakdown.png",
+                f"{self.recipe.run_name}: memory by category at step {step}",
+            )
             loggers.log_figure("memory_breakdown", fig, step)
             fig.clf()
         return out
 
     def _draw_pipeline(self, record: RunRecord, loggers: Loggers) -> None:
         """The schedule that runs, per rank, as a picture (run folder and W&B) and a bubble figure."""
-        order = pipeline_order(self.schedule)
-        record.info["pp_bubble_fraction"] = bubble_fraction(order)
-        fig = timeline(order, f"{self.recipe.pp.schedule}, {self.recipe.pp.microbatches} microbatches")
-        fig.savefig(self.run_dir / "pp_schedule.png", dpi=100, bbox_inches="tight")
+        title = f"{self.recipe.pp.schedule}, {self.recipe.pp.microbatches} microbatches"
+        fig, record.info["pp_bubble_fraction"] = save_pipeline(
+            self.schedule, title, self.run_dir / "pp_schedule.png"
+        )
         loggers.log_figure("pp_schedule", fig, self.start_step)
         fig.clf()
 
@@ -309,14 +310,23 @@ class Trainer:
         """Which rank, what phase, the estimate, and (CUDA) the allocator's snapshot, written
         beside the run's records (`oom-rank<r>.json`, `.pickle` for pytorch.org/memory_viz)."""
         estimate = make_plan(self.recipe).bytes_per_rank
-        return dump_oom(self.run_dir, self.env.rank, self.env.device, step, self.phase, estimate, error)
+        return dump_oom(
+            self.run_dir, self.env.rank, self.env.device, step, self.forward_backward.phase, estimate, error
+        )
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
         state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizers))
         mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, per_rank
-        return {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
-                **self.throughput.rates(out["tokens"], dt), **mem, **out.get("memory_breakdown", {})}
+        return {
+            "step": step,
+            "loss": out["loss"],
+            "grad_norm": out["grad_norm"],
+            "lr": out["lr"],
+            **self.throughput.rates(out["tokens"], dt),
+            **mem,
+            **out.get("memory_breakdown", {}),
+        }
 
     def summary(self) -> dict:
         return summarize(self.state, self.throughput, loss_floor(self.source))
@@ -324,14 +334,23 @@ class Trainer:
     # --- what the run is --------------------------------------------------------------
 
     def _run_info(self) -> dict:
-        return {"recipe": recipe_to_dict(self.recipe), "mesh": self.dims.degrees, "world_size": self.env.world_size,
-                "device": str(self.env.device.type), "n_params": self.n_params,
-                "pipeline_layout": self.pmodel.layout if self.dims.pp_enabled else None}
+        return {
+            "recipe": recipe_to_dict(self.recipe),
+            "mesh": self.dims.degrees,
+            "world_size": self.env.world_size,
+            "device": str(self.env.device.type),
+            "n_params": self.n_params,
+            "pipeline_layout": self.pmodel.layout if self.dims.pp_enabled else None,
+        }
 
     def _logger_config(self) -> dict:
         # flat mesh keys let the W&B UI group and plot runs by layout
-        return {**recipe_to_dict(self.recipe), **self.dims.degrees, "world_size": self.env.world_size,
-                "layout": self.dims.label()}
+        return {
+            **recipe_to_dict(self.recipe),
+            **self.dims.degrees,
+            "world_size": self.env.world_size,
+            "layout": self.dims.label(),
+        }
 
     def _banner(self) -> Banner:
         r = self.recipe
@@ -339,8 +358,17 @@ class Trainer:
         if self.dims.pp_enabled:
             stages = "; ".join(f"stage {s}: layers {ids}" for s, ids in enumerate(self.pmodel.layout))
             pipeline = f"pipeline {r.pp.schedule} x {r.pp.microbatches} microbatches: {stages}"
-        return Banner(r.run_name, f"{r.model.name}/{r.model.flavor}", self.n_params, self.env.world_size,
-                      self.env.device.type, self.dims.spelled(), r.train.steps, pipeline, loss_floor(self.source))
+        return Banner(
+            r.run_name,
+            f"{r.model.name}/{r.model.flavor}",
+            self.n_params,
+            self.env.world_size,
+            self.env.device.type,
+            self.dims.spelled(),
+            r.train.steps,
+            pipeline,
+            loss_floor(self.source),
+        )
 
 
 def train(recipe: Recipe) -> RunState:

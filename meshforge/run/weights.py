@@ -106,8 +106,10 @@ def load_into(model: torch.nn.Module, reader: WeightReader | ArrayReader) -> Non
         for name, p in model.named_parameters():
             expected = tuple(p.shape)
             if reader.shape(name) != expected:
-                raise IncompatibleWeights(f"{name}: the checkpoint holds {reader.shape(name)}, the recipe's model {expected}; "
-                                 "set model.* to the checkpoint's config")
+                raise IncompatibleWeights(
+                    f"{name}: the checkpoint holds {reader.shape(name)}, the recipe's model {expected}; "
+                    "set model.* to the checkpoint's config"
+                )
             if isinstance(p, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
@@ -120,7 +122,10 @@ def hf_reader_for(folder: Path, recipe_args) -> WeightReader:
     """A reader of an HF folder, after checking its config.json matches the recipe's model."""
     diff = spec_of(recipe_args).hf_mismatch(folder, recipe_args)
     if diff:
-        raise IncompatibleWeights(f"the HF checkpoint {folder} does not match the recipe's model ("
-                              + "; ".join(diff) + "): pick the model.flavor of that checkpoint or set model.* to "
-                                                  "its config.json")
+        raise IncompatibleWeights(
+            f"the HF checkpoint {folder} does not match the recipe's model ("
+            + "; ".join(diff)
+            + "): pick the model.flavor of that checkpoint or set model.* to "
+            "its config.json"
+        )
     return WeightReader(folder, recipe_args, "hf")

@@ -48,7 +48,9 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
             part.init_buffers(torch.device("cpu"))
             part.train()
         # foreach=False: foreach AdamW's batched temporaries would be counted all at once under fake tensors
-        optimizers = [build_optimizer(part.parameters(), recipe.optimizer, foreach=False) for part in pmodel.parts]
+        optimizers = [
+            build_optimizer(part.parameters(), recipe.optimizer, foreach=False) for part in pmodel.parts
+        ]
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         tracker = make_tracker(pmodel.parts, optimizers)
@@ -67,8 +69,9 @@ def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list
     pipeline stages (for their final gradient reduction; none without pipelining)."""
     if not dims.pp_enabled:  # microbatches one after another; the second backward finds every grad allocated
         return [(0, kind, m) for m in range(min(recipe.train.grad_accum_steps, 2)) for kind in "FB"], []
-    schedule = build_schedule(pmodel.parts, pmodel.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"),
-                              lambda x, y: x)
+    schedule = build_schedule(
+        pmodel.parts, pmodel.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x
+    )
     mine = pipeline_order(schedule)[dims.coordinate(rank)["pp"]]
     stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps a list, or one
     return [a for a in map(parse_action, mine) if a is not None], stages
@@ -97,8 +100,11 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
     for stage, kind, m in actions:
         part = parts[stage]
         if kind == "F":
-            x = (torch.randint(0, args.vocab_size, (mb, r.train.seq_len)) if stage == 0
-                 else torch.empty(boundary, dtype=act_dtype, requires_grad=True))
+            x = (
+                torch.randint(0, args.vocab_size, (mb, r.train.seq_len))
+                if stage == 0
+                else torch.empty(boundary, dtype=act_dtype, requires_grad=True)
+            )
             out = part(x)
             if stage == last_stage:
                 out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
@@ -132,8 +138,9 @@ def _heaviest(results: list) -> dict:
     return max(per_role, key=lambda p: p["total"])
 
 
-def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes: bool,
-                  traced: bool = True) -> list[dict]:
+def estimate_rows(
+    recipe_path: str, overrides: list[str], world: int, all_meshes: bool, traced: bool = True
+) -> list[dict]:
     """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
     meshes = ParallelDims.all_of_world(world) if all_meshes else [None]
     rows, pending = [], []
@@ -147,9 +154,14 @@ def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes
                 rows.append({"layout": mesh.label() if mesh else "recipe", "refused": str(e.problems[0])})
                 continue
             plan = make_plan(recipe)
-            row = {"layout": plan.dims.label(),
-                   "analytic": {"states": plan.state_bytes_per_rank, "activations": plan.activation_bytes_per_rank,
-                                "total": plan.bytes_per_rank}}
+            row = {
+                "layout": plan.dims.label(),
+                "analytic": {
+                    "states": plan.state_bytes_per_rank,
+                    "activations": plan.activation_bytes_per_rank,
+                    "total": plan.bytes_per_rank,
+                },
+            }
             rows.append(row)
             if traced:
                 pending.append((row, _submit_roles(recipe, pool)))
@@ -161,15 +173,22 @@ def estimate_rows(recipe_path: str, overrides: list[str], world: int, all_meshes
     return sorted(rows, key=lambda r: r.get("total", float("inf")))
 
 
-SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "activations": "activ",
-         "communication": "comm", "temporaries": "temp"}
+SHORT = {
+    "parameters": "params",
+    "gradients": "grads",
+    "optimizer": "optim",
+    "activations": "activ",
+    "communication": "comm",
+    "temporaries": "temp",
+}
 
 
 def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
     """Traced peak of the heaviest rank by category, the analytic total beside it, and fit."""
     traced = any("traced" in r for r in rows)
-    title = "estimated peak memory per rank, GiB " + ("(traced heaviest rank; analytic beside it)" if traced
-                                                      else "(analytic)")
+    title = "estimated peak memory per rank, GiB " + (
+        "(traced heaviest rank; analytic beside it)" if traced else "(analytic)"
+    )
     if device_memory:
         title += f", device {device_memory / GiB:.0f} GiB"
     table = Table(title=title)
@@ -188,7 +207,12 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
             cells += [f"{t['total'] / GiB:.2f}", str(t["rank"]), *[f"{t[c] / GiB:.2f}" for c in CATEGORIES]]
         a = r["analytic"]
         fits = "" if device_memory is None else ("yes" if r["total"] <= device_memory else "[red]no[/]")
-        cells += [f"{a['states'] / GiB:.2f}", f"{a['activations'] / GiB:.2f}", f"{a['total'] / GiB:.2f}", fits]
+        cells += [
+            f"{a['states'] / GiB:.2f}",
+            f"{a['activations'] / GiB:.2f}",
+            f"{a['total'] / GiB:.2f}",
+            fits,
+        ]
         table.add_row(*cells)
     return table
 
@@ -198,8 +222,15 @@ def estimate_refusals(rows: list[dict]) -> list[str]:
     return [f"{r['layout']}: refused: {r['refused']}" for r in rows if "refused" in r]
 
 
-def print_estimate(recipe_path: str, overrides: list[str], world: int, all_meshes: bool, analytic: bool,
-                   device_memory: float | None, console: Console) -> None:
+def print_estimate(
+    recipe_path: str,
+    overrides: list[str],
+    world: int,
+    all_meshes: bool,
+    analytic: bool,
+    device_memory: float | None,
+    console: Console,
+) -> None:
     """`meshforge estimate`: the table (wide when not on a terminal) and the refused layouts."""
     rows = estimate_rows(recipe_path, overrides, world, all_meshes, traced=not analytic)
     out = console if console.is_terminal else Console(width=160)

@@ -8,8 +8,8 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,20 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
         spec = get_model_spec(recipe.model.name)
         with torch.device("meta"):
             model = spec.build(args_from_config(recipe.model))
-        compile_off = dataclasses.replace(recipe.compile, enabled=False)  # shapes and plans do not depend on it
-        pmodel = parallelize(model, meshes, dims, spec, tp=recipe.tp, pp=recipe.pp,
-                             ac=recipe.activation_checkpoint, compile=compile_off, fsdp=recipe.fsdp)
+        compile_off = dataclasses.replace(
+            recipe.compile, enabled=False
+        )  # shapes and plans do not depend on it
+        pmodel = parallelize(
+            model,
+            meshes,
+            dims,
+            spec,
+            tp=recipe.tp,
+            pp=recipe.pp,
+            ac=recipe.activation_checkpoint,
+            compile=compile_off,
+            fsdp=recipe.fsdp,
+        )
         yield dims, meshes, pmodel
     finally:
         dist.destroy_process_group()

@@ -18,7 +18,9 @@ def recipe_schedule_order(recipe: Recipe) -> dict[int, list[str | None]]:
     """The recipe's pipeline order without devices (rank 0 of a simulated mesh builds it;
     every rank's schedule holds every rank's actions)."""
     with simulated_rank(recipe, rank=0) as (_, meshes, pm):
-        schedule = build_schedule(pm.parts, pm.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x)
+        schedule = build_schedule(
+            pm.parts, pm.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x
+        )
         return pipeline_order(schedule)
 
 
@@ -31,5 +33,7 @@ def draw_schedule(recipe: Recipe, out: Path) -> str:
     timeline(order, title).savefig(out, dpi=100, bbox_inches="tight")
     theory = bubble_fraction_gpipe(recipe.mesh.pp, recipe.pp.microbatches)
     world = recipe.mesh.dp_replicate * recipe.mesh.dp_shard * recipe.mesh.tp * recipe.mesh.pp
-    return (f"{title}: bubble {bubble_fraction(order):.1%} of rank time (GPipe/1F1B theory (p-1)/(m+p-1) "
-            f"= {theory:.1%}); world {world}; picture: {out}")
+    return (
+        f"{title}: bubble {bubble_fraction(order):.1%} of rank time (GPipe/1F1B theory (p-1)/(m+p-1) "
+        f"= {theory:.1%}); world {world}; picture: {out}"
+    )

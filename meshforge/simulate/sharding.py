@@ -21,8 +21,10 @@ def describe(s: dict) -> str:
     text = f"local {list(s['shape'])}"
     if s["placements"]:
         placements = ",".join(str(p) for p in s["placements"])
-        text = (f"{placements} on ({','.join(s['mesh_dims'])}) {text} of {list(s['global_shape'])} "
-                f"at {list(s['offset'])}")
+        text = (
+            f"{placements} on ({','.join(s['mesh_dims'])}) {text} of {list(s['global_shape'])} "
+            f"at {list(s['offset'])}"
+        )
     return text if s["stage"] is None else f"stage {s['stage']}: {text}"
 
 
@@ -51,12 +53,24 @@ def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:
         out = {}
         for stage_id, part in zip(pmodel.stage_ids, pmodel.parts):
             for fqn, p in part.named_parameters():
-                s = {"stage": stage_id if dims.pp_enabled else None, "coordinate": coordinate,
-                     "mesh_dims": (), "placements": (), "offset": (0,) * p.dim(), "shape": tuple(p.shape),
-                     "global_shape": tuple(p.shape)}
+                s = {
+                    "stage": stage_id if dims.pp_enabled else None,
+                    "coordinate": coordinate,
+                    "mesh_dims": (),
+                    "placements": (),
+                    "offset": (0,) * p.dim(),
+                    "shape": tuple(p.shape),
+                    "global_shape": tuple(p.shape),
+                }
                 if isinstance(p, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                    s.update(mesh_dims=p.device_mesh.mesh_dim_names or (), placements=tuple(p.placements),
-                             offset=tuple(offset), shape=tuple(shape))
+                    shape, offset = compute_local_shape_and_global_offset(
+                        p.shape, p.device_mesh, p.placements
+                    )
+                    s.update(
+                        mesh_dims=p.device_mesh.mesh_dim_names or (),
+                        placements=tuple(p.placements),
+                        offset=tuple(offset),
+                        shape=tuple(shape),
+                    )
                 out[fqn] = s
         return out

@@ -12,14 +12,15 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
+from meshforge.cli.parsers import run_parser, subcommand_parsers
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_dict, resolve_recipe_path
-from meshforge.configs.explain import explain_table, fields_help
+from meshforge.configs.explain import explain_table
 from meshforge.core.errors import EXIT_INTERRUPTED, MeshforgeError, Problem, RecipeError, UsageError
 
 console = Console(soft_wrap=True)
@@ -75,28 +76,6 @@ def _world_for(path, overrides: list[str], world: int | None) -> int:
 
 
 # --- run_recipe ------------------------------------------------------------------------
-
-
-def _add_sweep_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sweep", action="store_true", help="try every valid mesh of --world ranks (see meshforge sweep)")
-    p.add_argument("--world", type=int, default=None, help="world size to sweep (default: the recipe's mesh)")
-    p.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a policy axis crossed with every mesh, e.g. pp.schedule=1F1B,GPipe (repeatable)")
-    p.add_argument("--sweep-dir", default=None, help="sweep folder (default: <output_dir>/sweep-<recipe>-w<world>)")
-
-
-def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, description="Validate a recipe, launch its processes, train, and log to JSONL, TensorBoard and W&B.",
-        epilog=fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("items", nargs="*", metavar="RECIPE|key=value",
-                   help="a recipe file or embedded recipe name (default: debug_cpu), then dotted overrides")
-    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
-    p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
-    _add_sweep_args(p)
-    return p
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -184,7 +163,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for a in args.axis:
         key, sep, values = a.partition("=")
         if not sep or not values:
-            raise RecipeError([Problem("--axis", a, "expected KEY=V1,V2, e.g. pp.schedule=1F1B,GPipe")], "sweep")
+            raise RecipeError(
+                [Problem("--axis", a, "expected KEY=V1,V2, e.g. pp.schedule=1F1B,GPipe")], "sweep"
+            )
         axes[key] = values.split(",")
     run_sweep(str(path), overrides, world, axes, Path(args.sweep_dir) if args.sweep_dir else None, console)
     return 0
@@ -198,8 +179,10 @@ def cmd_init(args: argparse.Namespace) -> int:
     recipe = _load(args, _env_world(getattr(args, "nproc", None)))
     source = getattr(args, "source", None)
     path = write_seed(recipe, Path(args.out), Path(source) if source else None, getattr(args, "fmt", None))
-    console.print(f"seed checkpoint: {path}  (start any mesh from it with checkpoint.init_from={args.out})",
-                  highlight=False)
+    console.print(
+        f"seed checkpoint: {path}  (start any mesh from it with checkpoint.init_from={args.out})",
+        highlight=False,
+    )
     return 0
 
 
@@ -282,80 +265,28 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_items(p: argparse.ArgumentParser, nproc: bool = True) -> argparse.ArgumentParser:
-    p.add_argument("items", nargs="*", metavar="RECIPE|key=value")
-    if nproc:
-        p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
-    return p
-
-
-def commands() -> dict[str, tuple[argparse.ArgumentParser, Callable]]:
-    """Every `meshforge` subcommand: its parser and the function it runs."""
-    out: dict[str, tuple[argparse.ArgumentParser, Callable]] = {}
-
-    def add(name: str, help_text: str, fn: Callable) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog=f"meshforge {name}", description=help_text)
-        out[name] = (p, fn)
-        return p
-
-    out["run"] = (run_parser("meshforge run"), cmd_run)
-    add("explain", "document recipe sections and fields", cmd_explain).add_argument(
-        "field", nargs="?", help="a section (train) or field (train.steps)")
-    add("recipes", "list the recipes shipped with meshforge", cmd_recipes)
-    ini = _recipe_items(add("init", "write a seed checkpoint: the recipe's initial weights, loadable on any mesh",
-                            cmd_init))
-    ini.add_argument("--out", required=True, help="folder for the seed checkpoint")
-    imp = add("import", "weights from an HF/TorchTitan/safetensors/JAX checkpoint -> a seed checkpoint of the "
-                        "recipe's model (then checkpoint.init_from=OUT)", cmd_init)
-    imp.add_argument("source", help="an HF folder, a safetensors folder, or an Orbax pytree folder")
-    imp.add_argument("--from", dest="fmt", choices=["hf", "torchtitan", "safetensors", "jax"], required=True)
-    imp.add_argument("items", nargs="*", metavar="RECIPE|key=value", help="the recipe whose model receives them")
-    imp.add_argument("--out", required=True, help="folder for the seed checkpoint")
-    sw = _recipe_items(add("sweep", "try every valid mesh shape of a recipe; rank the layouts", cmd_sweep))
-    _add_sweep_args(sw)
-    cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)", cmd_compare)
-    cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
-    cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")
-    cmp.add_argument("--metrics", default="loss", help="comma-separated metrics to plot, e.g. loss,grad_norm")
-    cmp.add_argument("--align", choices=["step", "tokens"], default="step", help="x axis of the metric plots")
-    cmp.add_argument("--baseline", default=None, help="parity mode: compare every run's losses with this run")
-    cmp.add_argument("--tol", type=float, default=1e-5, help="parity tolerance on loss and grad norm")
-    est = _recipe_items(add("estimate", "per-rank peak memory before launching (traced on fake tensors, and "
-                                        "analytic), for one or every mesh", cmd_estimate), nproc=False)
-    est.add_argument("--world", type=int, default=None, help="world size (default: the recipe's mesh)")
-    est.add_argument("--all-meshes", action="store_true", help="every valid mesh of --world ranks")
-    est.add_argument("--device-memory", default=None, help="e.g. 80GiB: mark which layouts fit")
-    est.add_argument("--analytic", action="store_true", help="formulas only (instant; no trace, no categories)")
-    par = add("parity", "the torch model vs its JAX twin on the same tokens (needs the jax extra)", cmd_parity)
-    par.add_argument("items", nargs="*", metavar="RECIPE|CHECKPOINT|key=value")
-    par.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    par.add_argument("--sharpen", type=float, default=None, help="scale attention and output weights (default 8 "
-                     "for fresh weights, whose flat logits hide bugs; 1 for checkpoints)")
-    par.add_argument("--samples", type=int, default=4, help="sequences compared")
-    par.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    pps = _recipe_items(add("pp-schedule", "draw a recipe's pipeline schedule per rank, with its bubble fraction",
-                            cmd_pp_schedule), nproc=False)
-    pps.add_argument("--out", default="pp_schedule.png", help="PNG to write")
-    exp = add("export", "export a checkpoint's model", cmd_export)
-    exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
-    exp.add_argument("--to", choices=["safetensors", "hf", "torchtitan", "jax"], default="safetensors",
-                     help="safetensors (our names), hf (HF Llama folder), torchtitan (0.3.0 names), jax (Orbax pytree)")
-    exp.add_argument("out", help="output folder")
-    return out
-
-
 def run_recipe_main(argv: Sequence[str] | None = None) -> int:
     return main(cmd_run, run_parser().parse_intermixed_args(argv))
 
 
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
+    "run": cmd_run, "explain": cmd_explain, "recipes": cmd_recipes, "init": cmd_init, "import": cmd_init,
+    "sweep": cmd_sweep, "compare": cmd_compare, "estimate": cmd_estimate, "parity": cmd_parity,
+    "pp-schedule": cmd_pp_schedule, "export": cmd_export,
+}  # fmt: skip
+
+
 def meshforge_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    table = commands()
+    table = {name: (parser, COMMANDS[name]) for name, parser in subcommand_parsers().items()}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
-        top = argparse.ArgumentParser(prog="meshforge", description="meshforge tools",
-                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                      epilog="commands:\n" + "\n".join(
-                                          f"  {n:12} {p.description.split(':')[0]}" for n, (p, _) in table.items()))
+        top = argparse.ArgumentParser(
+            prog="meshforge",
+            description="meshforge tools",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="commands:\n"
+            + "\n".join(f"  {n:12} {p.description.split(':')[0]}" for n, (p, _) in table.items()),
+        )
         top.add_argument("command", choices=list(table), help="see `meshforge COMMAND --help`")
         if not argv:
             top.print_help()
@@ -364,7 +295,3 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         return 2
     parser, fn = table[argv[0]]
     return main(fn, parser.parse_intermixed_args(argv[1:]))
-
-
-if __name__ == "__main__":
-    sys.exit(run_recipe_main())

@@ -1,0 +1,131 @@
+"""The command line's parsers: `run_recipe` and every `meshforge` subcommand (the commands
+themselves are in meshforge/cli/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from meshforge.configs.explain import fields_help
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sweep", action="store_true", help="try every valid mesh of --world ranks (see meshforge sweep)"
+    )
+    p.add_argument("--world", type=int, default=None, help="world size to sweep (default: the recipe's mesh)")
+    p.add_argument(
+        "--axis",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a policy axis crossed with every mesh, e.g. pp.schedule=1F1B,GPipe (repeatable)",
+    )
+    p.add_argument(
+        "--sweep-dir", default=None, help="sweep folder (default: <output_dir>/sweep-<recipe>-w<world>)"
+    )
+
+
+def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Validate a recipe, launch its processes, train, and log to JSONL, TensorBoard and W&B.",
+        epilog=fields_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="RECIPE|key=value",
+        help="a recipe file or embedded recipe name (default: debug_cpu), then dotted overrides",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
+    p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    add_sweep_args(p)
+    return p
+
+
+def _recipe_items(p: argparse.ArgumentParser, nproc: bool = True) -> argparse.ArgumentParser:
+    p.add_argument("items", nargs="*", metavar="RECIPE|key=value")
+    if nproc:
+        p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
+    return p
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every `meshforge` subcommand's parser, by name."""
+    out: dict[str, argparse.ArgumentParser] = {"run": run_parser("meshforge run")}
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        out[name] = argparse.ArgumentParser(prog=f"meshforge {name}", description=help_text)
+        return out[name]
+
+    add("explain", "document recipe sections and fields").add_argument(
+        "field", nargs="?", help="a section (train) or field (train.steps)"
+    )
+    add("recipes", "list the recipes shipped with meshforge")
+    ini = _recipe_items(
+        add("init", "write a seed checkpoint: the recipe's initial weights, loadable on any mesh")
+    )
+    ini.add_argument("--out", required=True, help="folder for the seed checkpoint")
+    imp = add(
+        "import",
+        "weights from an HF/TorchTitan/safetensors/JAX checkpoint -> a seed checkpoint of the "
+        "recipe's model (then checkpoint.init_from=OUT)",
+    )
+    imp.add_argument("source", help="an HF folder, a safetensors folder, or an Orbax pytree folder")
+    imp.add_argument("--from", dest="fmt", choices=["hf", "torchtitan", "safetensors", "jax"], required=True)
+    imp.add_argument(
+        "items", nargs="*", metavar="RECIPE|key=value", help="the recipe whose model receives them"
+    )
+    imp.add_argument("--out", required=True, help="folder for the seed checkpoint")
+    sw = _recipe_items(add("sweep", "try every valid mesh shape of a recipe; rank the layouts"))
+    add_sweep_args(sw)
+    cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
+    cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
+    cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")
+    cmp.add_argument("--metrics", default="loss", help="comma-separated metrics to plot, e.g. loss,grad_norm")
+    cmp.add_argument("--align", choices=["step", "tokens"], default="step", help="x axis of the metric plots")
+    cmp.add_argument("--baseline", default=None, help="parity mode: compare every run's losses with this run")
+    cmp.add_argument("--tol", type=float, default=1e-5, help="parity tolerance on loss and grad norm")
+    est = _recipe_items(
+        add(
+            "estimate",
+            "per-rank peak memory before launching (traced on fake tensors, and "
+            "analytic), for one or every mesh",
+        ),
+        nproc=False,
+    )
+    est.add_argument("--world", type=int, default=None, help="world size (default: the recipe's mesh)")
+    est.add_argument("--all-meshes", action="store_true", help="every valid mesh of --world ranks")
+    est.add_argument("--device-memory", default=None, help="e.g. 80GiB: mark which layouts fit")
+    est.add_argument(
+        "--analytic", action="store_true", help="formulas only (instant; no trace, no categories)"
+    )
+    par = add("parity", "the torch model vs its JAX twin on the same tokens (needs the jax extra)")
+    par.add_argument("items", nargs="*", metavar="RECIPE|CHECKPOINT|key=value")
+    par.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    par.add_argument(
+        "--sharpen",
+        type=float,
+        default=None,
+        help="scale attention and output weights (default 8 "
+        "for fresh weights, whose flat logits hide bugs; 1 for checkpoints)",
+    )
+    par.add_argument("--samples", type=int, default=4, help="sequences compared")
+    par.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    pps = _recipe_items(
+        add("pp-schedule", "draw a recipe's pipeline schedule per rank, with its bubble fraction"),
+        nproc=False,
+    )
+    pps.add_argument("--out", default="pp_schedule.png", help="PNG to write")
+    exp = add("export", "export a checkpoint's model")
+    exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
+    exp.add_argument(
+        "--to",
+        choices=["safetensors", "hf", "torchtitan", "jax"],
+        default="safetensors",
+        help="safetensors (our names), hf (HF Llama folder), torchtitan (0.3.0 names), jax (Orbax pytree)",
+    )
+    exp.add_argument("out", help="output folder")
+    return out
