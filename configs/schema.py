@@ -22,19 +22,31 @@ def F(default: Any, doc: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = F("llama3", "model family in the registry (meshforge.models)")
-    flavor: str = F("debug", "named size of the family: debug, 1b, 8b, ...")
-    # Size overrides: None keeps the flavor's value. They let a GPU recipe run on a laptop.
+    name: str = F("llama3", "model family in the registry (meshforge.models): llama3 | qwen3")
+    flavor: str = F("debug", "named size of the family: debug, 1b, 8b, ... (not used with model.hf)")
+    hf: Optional[str] = F(
+        None,
+        "take the shape from this HF folder's config.json (dims, heads, FFN, vocab, eps, RoPE, tying); "
+        "weights still come from checkpoint.init_from_hf",
+    )
+    # Size overrides: None keeps the flavor's (or HF config's) value. They let a GPU recipe run on a laptop.
     dim: Optional[int] = F(None, "override: model width")
     n_layers: Optional[int] = F(None, "override: number of transformer blocks")
     n_heads: Optional[int] = F(None, "override: attention heads")
     n_kv_heads: Optional[int] = F(None, "override: key/value heads (GQA); must divide n_heads")
+    head_dim: Optional[int] = F(None, "override: width of one head (qwen3; llama3 fixes it to dim / n_heads)")
     vocab_size: Optional[int] = F(None, "override: vocabulary size (must cover the tokenizer)")
-    multiple_of: Optional[int] = F(None, "override: FFN hidden size is rounded up to this")
-    ffn_dim_multiplier: Optional[float] = F(None, "override: FFN hidden size multiplier")
+    ffn_dim: Optional[int] = F(None, "override: FFN hidden width, exactly (an HF intermediate_size)")
+    multiple_of: Optional[int] = F(None, "override (llama3): FFN hidden size is rounded up to this")
+    ffn_dim_multiplier: Optional[float] = F(None, "override (llama3): FFN hidden size multiplier")
     max_seq_len: Optional[int] = F(None, "override: longest sequence RoPE is precomputed for")
     tie_embeddings: Optional[bool] = F(None, "override: share tok_embeddings and output weights")
     norm_eps: Optional[float] = F(None, "override: RMSNorm epsilon")
+    rope_theta: Optional[float] = F(None, "override: RoPE base frequency")
+    rope_scaling_factor: Optional[float] = F(None, "override: Llama 3 RoPE scaling factor (e.g. 32.0)")
+    rope_original_max_seq_len: Optional[int] = F(
+        None, "override: context length the Llama 3 RoPE scaling is from"
+    )
 
 
 @dataclass

@@ -4,7 +4,9 @@ knows its names and row layouts; JAX formats need the `jax` extra."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,7 +17,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import IncompatibleWeights
 from meshforge.models import args_from_config, get_model_spec, spec_of
-from meshforge.run.checkpoint import SafeFileSystemReader, dcp_load, load_full_model, save_seed_checkpoint
+from meshforge.models.hf_names import save_hf_shards
+from meshforge.run.checkpoint import (
+    SafeFileSystemReader,
+    dcp_load,
+    load_full_model,
+    model_args_of,
+    read_meta,
+    save_seed_checkpoint,
+)
 from meshforge.run.weights import ArrayReader, WeightReader, hf_reader_for, load_into
 
 
@@ -61,20 +71,26 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
     model.init_buffers()
 
 
-def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> Path:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def export_checkpoint(
+    checkpoint: Path, out: Path, to: str = "safetensors", max_shard_bytes: int | None = None
+) -> Path:
     """A checkpoint's model, unsharded, as `to`: safetensors (our names + config.json),
-    hf (an HF folder), torchtitan (its 0.3.0 names) or jax (an Orbax checkpoint of the
-    flat pytree the family's JAX twin takes)."""
+    hf (an HF folder for the family's ForCausalLM, read one tensor at a time and written as
+    shards of at most `max_shard_bytes` with the HF index, the run's tokenizer beside it),
+    torchtitan (its 0.3.0 names) or jax (an Orbax checkpoint of the flat pytree the
+    family's JAX twin takes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if to == "hf":
+        return export_hf(checkpoint, out, max_shard_bytes)
     model, args, meta = load_full_model(checkpoint)
     interop = spec_of(args).interop
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     del model  # `tensors` holds the only references: a consuming conversion frees as it goes
     if args.tie_embeddings:
         tensors.pop("output.weight")  # shared with tok_embeddings.weight; stored once
-    out.mkdir(parents=True, exist_ok=True)
-    if to == "hf":
-        interop.save_hf(tensors, args, out)
-        return out / "model.safetensors"
     if to == "jax":
         from meshforge.jax.bridge import save_pytree, state_to_pytree  # the jax extra
 
@@ -91,12 +107,51 @@ def export_checkpoint(checkpoint: Path, out: Path, to: str = "safetensors") -> P
     return out / ("params" if to == "jax" else "model.safetensors")
 
 
+def export_hf(checkpoint: Path, out: Path, max_shard_bytes: int | None = None) -> Path:
+    """An HF folder from a DCP checkpoint with no whole model in host memory: each tensor is
+    read alone, renamed (and for Llama its q/k rows permuted), and written into the current
+    shard; at most one shard is held. The run's tokenizer files are copied beside it."""
+    meta = read_meta(checkpoint)
+    args = model_args_of(meta)
+    interop = spec_of(args).interop
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
+    keys = [
+        k
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    ]
+
+    def pairs():
+        for key in keys:
+            m = metadata.state_dict_metadata[key]
+            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            dcp_load({key: t}, checkpoint)
+            converted = interop.tensor_to_hf(key.removeprefix("model."), t, args)
+            if converted is not None:
+                yield converted
+
+    dtype = str(metadata.state_dict_metadata[keys[0]].properties.dtype).removeprefix("torch.")
+    kw = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
+    save_hf_shards(pairs(), interop.hf_config(args, dtype), out, **kw)
+    tokenizer = meta["recipe"]["data"].get("tokenizer")
+    if tokenizer and tokenizer != "byte" and Path(tokenizer).is_file():
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer) if name == "tokenizer.json" else Path(tokenizer).parent / name
+            if src.is_file():
+                shutil.copyfile(src, out / name)
+    return out
+
+
 def write_seed(recipe: Recipe, out: Path, source: Path | None = None, fmt: str | None = None) -> Path:
     """A seed checkpoint of the recipe's model: its own initial weights, or (source) weights
     imported from another format. Any mesh starts from it with checkpoint.init_from=OUT."""
     with torch.device("cpu"):
         model = get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
-    meta = {"recipe": recipe_to_dict(recipe), "seed": recipe.seed}
+    meta = {
+        "recipe": recipe_to_dict(recipe),
+        "seed": recipe.seed,
+        "model_args": dataclasses.asdict(model.args),
+    }
     if source is None:
         model.init_weights(seed=recipe.seed)
     else:

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
+from meshforge.core.errors import UnsupportedConfig
 from meshforge.core.topology import ParallelDims
-from meshforge.models import MODELS, args_from_config, get_model_spec
+from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
 
@@ -37,8 +38,8 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
     mesh_problems = checks.resolve_mesh(r, world_size)
     problems = check_choices(r) + mesh_problems
     dims = ParallelDims.from_config(r.mesh) if not mesh_problems else None
-    known_model = r.model.name in MODELS and r.model.flavor in MODELS[r.model.name].flavors
-    args = args_from_config(r.model) if known_model else None
+    model_problems, args = resolve_model(r)
+    problems += model_problems
     if args is not None:
         problems += get_model_spec(r.model.name).check(args, dims or ParallelDims())
         problems += check_shapes(r, args, dims)
@@ -66,10 +67,45 @@ def check_choices(r: Recipe) -> list[Problem]:
     for p in problems:
         if p.field.startswith("fsdp.") and p.value == "float16":
             p.message += " (fp16 needs a sharded gradient scaler, not supported yet: use bfloat16)"
-    if r.model.name in MODELS and r.model.flavor not in MODELS[r.model.name].flavors:
-        flavors = ", ".join(MODELS[r.model.name].flavors)
-        problems.append(Problem("model.flavor", r.model.flavor, f"must be one of {flavors}"))
     return problems
+
+
+def resolve_model(r: Recipe) -> tuple[list[Problem], object | None]:
+    """The model's args (None when they cannot be had) and what is wrong with [model]: an
+    unknown flavor, an HF folder that is missing, of another family or not understood, an
+    override the family has no field for."""
+    m = r.model
+    if m.name not in MODELS:
+        return [], None  # reported by check_choices
+    problems = []
+    if m.hf is None and m.flavor not in MODELS[m.name].flavors:
+        flavors = ", ".join(MODELS[m.name].flavors)
+        problems.append(Problem("model.flavor", m.flavor, f"must be one of {flavors}, or set model.hf"))
+    if m.hf is not None:
+        try:
+            family = family_of_hf(m.hf)
+        except FileNotFoundError:
+            return [Problem("model.hf", m.hf, "no config.json there: point it at an HF model folder")], None
+        except UnsupportedConfig as e:
+            return [Problem("model.hf", m.hf, str(e))], None
+        if family != m.name:
+            problems.append(
+                Problem("model.name", m.name, f"{m.hf} holds a {family} model: set model.name={family}")
+            )
+    for key in unknown_overrides(m):
+        problems.append(
+            Problem(
+                f"model.{key}",
+                getattr(m, key),
+                f"{m.name} has no {key}; remove it (fields of {m.name}: see `meshforge explain model`)",
+            )
+        )
+    if problems:
+        return problems, None
+    try:
+        return [], args_from_config(m)
+    except UnsupportedConfig as e:
+        return [Problem("model.hf", m.hf, str(e))], None
 
 
 def check_shapes(r: Recipe, args, dims: ParallelDims | None) -> list[Problem]:

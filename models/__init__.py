@@ -2,7 +2,15 @@
 about itself (models/spec.py), and the registry of their shapes."""
 
 from .llama import LlamaArgs, Transformer, count_params
-from .registry import MODELS, args_from_config, get_model_spec, model_args, spec_of
+from .registry import (
+    MODELS,
+    args_from_config,
+    family_of_hf,
+    get_model_spec,
+    model_args,
+    spec_of,
+    unknown_overrides,
+)
 from .spec import ModelSpec
 
 __all__ = [
@@ -14,5 +22,7 @@ __all__ = [
     "get_model_spec",
     "model_args",
     "args_from_config",
+    "family_of_hf",
     "spec_of",
+    "unknown_overrides",
 ]

@@ -38,6 +38,7 @@ class LlamaArgs:
     rope_original_max_seq_len: int = 8192
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    ffn_dim: int | None = None  # explicit FFN width (an HF intermediate_size); None = the rule below
 
     @property
     def head_dim(self) -> int:
@@ -49,15 +50,19 @@ class LlamaArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """TorchTitan's (and Meta's) rule: 2/3 of 4*dim, times the multiplier, rounded up."""
+        """`ffn_dim` if given, else TorchTitan's (and Meta's) rule: 2/3 of 4*dim, times the
+        multiplier, rounded up to `multiple_of`."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-def precompute_freqs_cis(args: LlamaArgs) -> torch.Tensor:
-    """Complex RoPE rotations, (max_seq_len, head_dim // 2), with Llama 3 frequency scaling."""
+def precompute_freqs_cis(args) -> torch.Tensor:
+    """Complex RoPE rotations, (max_seq_len, head_dim // 2), with Llama 3 frequency scaling
+    when `args.rope_scaling_factor` is set (any family's args with the rope_* fields)."""
     dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
     if args.rope_scaling_factor is not None:
@@ -77,7 +82,8 @@ def precompute_freqs_cis(args: LlamaArgs) -> torch.Tensor:
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
-    """Rotate interleaved (even, odd) pairs of q and k. xq: (B, S, H, hd), freqs_cis: (S, hd/2)."""
+    """Rotate interleaved (even, odd) pairs of q and k (Meta's layout). xq: (B, S, H, hd),
+    freqs_cis: (S, hd/2)."""
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     freqs = freqs_cis[None, :, None, :]  # (1, S, 1, hd/2)
@@ -86,7 +92,23 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+def apply_rotary_emb_half(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    """Rotate (i, i + hd/2) pairs of q and k (HF's rotate_half layout, Qwen3's native one)."""
+    freqs = freqs_cis[None, :, None, :]  # (1, S, 1, hd/2)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.view_as_real(torch.complex(x1, x2) * freqs)  # (..., hd/2, 2)
+        return torch.cat([out[..., 0], out[..., 1]], dim=-1).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
 class Attention(nn.Module):
+    """Causal GQA attention. Subclasses change `norm_qk` (per-head norms) and `rope`."""
+
+    rope = staticmethod(apply_rotary_emb)
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
@@ -101,12 +123,15 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, H, hd)
         xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, KVH, hd)
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+        xq, xk = self.rope(*self.norm_qk(xq, xk), freqs_cis[:seqlen])
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
         # GQA: query head h reads kv head h // (H / KVH), as repeat_interleave would
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, H * hd)
         return self.wo(out)
+
+    def norm_qk(self, xq: torch.Tensor, xk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return xq, xk
 
 
 class FeedForward(nn.Module):
@@ -123,9 +148,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, attention: type[Attention] = Attention):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -136,11 +161,15 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    attention: type[Attention] = Attention  # a family's subclass swaps its attention in
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, self.attention) for i in range(args.n_layers)}
+        )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -174,8 +203,9 @@ class Transformer(nn.Module):
         self.init_buffers()
 
 
-def param_init(args: LlamaArgs, fqn: str) -> Callable[[torch.Tensor, torch.Generator], None]:
-    """How the parameter named `fqn` is drawn (TorchTitan's Llama 3 scheme)."""
+def param_init(args, fqn: str) -> Callable[[torch.Tensor, torch.Generator], None]:
+    """How the parameter named `fqn` is drawn (TorchTitan's Llama 3 scheme; every norm,
+    q_norm and k_norm included, starts at one)."""
     if fqn.endswith("norm.weight"):
         return lambda t, g: t.fill_(1.0)
     if fqn == "output.weight" or (fqn == "tok_embeddings.weight" and args.tie_embeddings):

@@ -17,7 +17,7 @@ import numpy as np
 from meshforge.models.llama import LlamaArgs, precompute_freqs_cis
 
 
-def rope_angles(args: LlamaArgs, seqlen: int) -> tuple[jax.Array, jax.Array]:
+def rope_angles(args, seqlen: int) -> tuple[jax.Array, jax.Array]:
     """cos and sin of the torch model's own RoPE table (S, head_dim/2): one source of truth."""
     freqs = precompute_freqs_cis(args)[:seqlen]
     return jnp.asarray(freqs.real.numpy()), jnp.asarray(freqs.imag.numpy())
@@ -48,13 +48,20 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return x @ weight.T  # torch layout: weight is (out, in)
 
 
-def attention(p: dict, prefix: str, x: jax.Array, cos, sin, args: LlamaArgs) -> jax.Array:
+def attention(
+    p: dict, prefix: str, x: jax.Array, cos, sin, args, rope=apply_rope, qk_norm: bool = False
+) -> jax.Array:
+    """Causal GQA attention; a family may rotate another pair layout (`rope`) and normalise
+    every q and k head first (`qk_norm`, Qwen3)."""
     b, s, _ = x.shape
     hd = args.head_dim
     q = linear(x, p[f"{prefix}.wq.weight"]).reshape(b, s, -1, hd)
     k = linear(x, p[f"{prefix}.wk.weight"]).reshape(b, s, -1, hd)
     v = linear(x, p[f"{prefix}.wv.weight"]).reshape(b, s, -1, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if qk_norm:
+        q = rms_norm(q, p[f"{prefix}.q_norm.weight"], args.norm_eps)
+        k = rms_norm(k, p[f"{prefix}.k_norm.weight"], args.norm_eps)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     n_rep = q.shape[2] // k.shape[2]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd)
@@ -72,8 +79,9 @@ def feed_forward(p: dict, prefix: str, x: jax.Array) -> jax.Array:
     )
 
 
-def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
-    """tokens (B, S) int -> logits (B, S, V), float32."""
+def forward(params: dict, tokens: jax.Array, args: LlamaArgs, **attention_kw) -> jax.Array:
+    """tokens (B, S) int -> logits (B, S, V), float32. `attention_kw` (rope, qk_norm) lets
+    another family reuse the decoder (models/qwen3_jax.py)."""
     cos, sin = rope_angles(args, tokens.shape[1])
     h = params["tok_embeddings.weight"][tokens]
     for i in range(args.n_layers):
@@ -85,6 +93,7 @@ def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
             cos,
             sin,
             args,
+            **attention_kw,
         )
         h = h + feed_forward(
             params, f"{pre}.feed_forward", rms_norm(h, params[f"{pre}.ffn_norm.weight"], args.norm_eps)
@@ -95,11 +104,12 @@ def forward(params: dict, tokens: jax.Array, args: LlamaArgs) -> jax.Array:
 
 
 def token_ce_sum(
-    params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs, ignore_index: int = -100
+    params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs, ignore_index: int = -100, fwd=None
 ) -> tuple[jax.Array, jax.Array]:
     """Sum of token cross-entropies over labels != ignore_index, and how many tokens that is
-    (the torch trainer divides the sum by the global batch's token count)."""
-    logp = jax.nn.log_softmax(forward(params, tokens, args), axis=-1)
+    (the torch trainer divides the sum by the global batch's token count). `fwd`: another
+    family's forward (default: this one)."""
+    logp = jax.nn.log_softmax((fwd or forward)(params, tokens, args), axis=-1)
     mask = labels != ignore_index
     picked = jnp.take_along_axis(logp, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
     return -jnp.sum(jnp.where(mask, picked, 0.0)), mask.sum()

@@ -7,14 +7,17 @@ Flavors carry the exact published shapes; recipes may override single fields
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from meshforge.configs.schema import ModelConfig
+from meshforge.core.errors import UnsupportedConfig
 
-from . import llama_family
+from . import llama_family, qwen3_family
+from .hf_config import read_config
 from .spec import ModelSpec
 
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (llama_family.SPEC,)}
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (llama_family.SPEC, qwen3_family.SPEC)}
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -37,9 +40,39 @@ def model_args(name: str, flavor: str, overrides: dict[str, Any] | None = None) 
     return dataclasses.replace(base, **{k: v for k, v in (overrides or {}).items() if v is not None})
 
 
-def args_from_config(cfg: ModelConfig) -> Any:
-    """Model args for a recipe's [model] section (flavor + size overrides)."""
-    overrides = {
-        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("name", "flavor")
+_NOT_ARGS = ("name", "flavor", "hf")
+
+
+def overrides_of(cfg: ModelConfig) -> dict[str, Any]:
+    """The [model] fields the recipe sets (not None), besides name, flavor and hf."""
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name not in _NOT_ARGS and getattr(cfg, f.name) is not None
     }
-    return model_args(cfg.name, cfg.flavor, overrides)
+
+
+def unknown_overrides(cfg: ModelConfig) -> list[str]:
+    """Overrides the family's args have no field for (e.g. head_dim for llama3)."""
+    names = {f.name for f in dataclasses.fields(MODELS[cfg.name].args_type)}
+    return [k for k in overrides_of(cfg) if k not in names]
+
+
+def family_of_hf(folder: str | Path) -> str:
+    """The registered family whose HF model_type the folder's config.json names."""
+    model_type = read_config(Path(folder)).get("model_type")
+    for spec in MODELS.values():
+        if spec.interop.HF_MODEL_TYPE == model_type:
+            return spec.name
+    known = ", ".join(f"{s.interop.HF_MODEL_TYPE} ({s.name})" for s in MODELS.values())
+    raise UnsupportedConfig(
+        f"config.json: model_type = {model_type!r}: no registered family reads it; known: {known}"
+    )
+
+
+def args_from_config(cfg: ModelConfig) -> Any:
+    """Model args for a recipe's [model] section: the flavor's (or, with model.hf, the HF
+    folder's config.json's), with the size overrides applied."""
+    spec = MODELS[cfg.name]
+    base = spec.interop.read_hf_args(Path(cfg.hf)) if cfg.hf else spec.flavors[cfg.flavor]
+    return dataclasses.replace(base, **overrides_of(cfg))

@@ -20,6 +20,8 @@ L8 = [
     "model.n_layers=8"
 ]  # pp=4 x 2 virtual stages needs 8 layers  # zero-bubble schedules need it (validation refuses the other)
 
+QWEN3 = ["model.name=qwen3"]  # the debug flavor: QK-norm, head_dim 32 with dim 64, untied
+
 # name: (overrides, baseline model overrides, tolerance)
 CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "fsdp2": (["mesh.dp_shard=2"], [], 1e-5),
@@ -103,6 +105,10 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "fsdp2_bf16": (["mesh.dp_shard=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
     "fsdp2_compile": (["mesh.dp_shard=2", "compile.enabled=true"], [], 1e-5),
     "fsdp2_cpu_offload": (["mesh.dp_shard=2", "fsdp.cpu_offload=true"], [], 1e-5),
+    "qwen3_tp2": (["mesh.tp=2", *QWEN3], QWEN3, 1e-5),  # QK-norm weights reduced over tp
+    "qwen3_tp2_no_sp": (["mesh.tp=2", "tp.sequence_parallel=false", *QWEN3], QWEN3, 1e-5),
+    "qwen3_pp2": (["mesh.pp=2", *QWEN3], QWEN3, 1e-5),
+    "qwen3_fsdp2": (["mesh.dp_shard=2", *QWEN3], QWEN3, 1e-5),
 }
 
 

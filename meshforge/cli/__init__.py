@@ -47,6 +47,11 @@ def main(command: Callable[[argparse.Namespace], int | None], args: argparse.Nam
         return EXIT_INTERRUPTED
 
 
+def wide(c: Console) -> Console:
+    """`c` on a terminal; else a console wide enough that no path or value is wrapped."""
+    return c if c.is_terminal else Console(width=1000, soft_wrap=True)
+
+
 def _split_positionals(items: Sequence[str]) -> tuple[str | None, list[str]]:
     """`[RECIPE] [key=value ...]`: the recipe is the one positional without '='."""
     recipe = next((x for x in items if "=" not in x), None)
@@ -102,7 +107,7 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
         table = Table(title=f"plan: {recipe.run_name}", show_header=False)
         for k, v in plan.rows(recipe):
             table.add_row(k, v)
-        console.print(table)
+        wide(console).print(table)
         return 0
     world = plan.dims.world_size
     launching = world > 1 and not under_torchrun() and recipe.backend == "torch"
@@ -188,10 +193,12 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from meshforge.convert import export_checkpoint
+    from meshforge.core.units import parse_bytes
     from meshforge.run.checkpoint import resolve_load
 
     path = resolve_load(args.checkpoint, Path(args.checkpoint))
-    out = export_checkpoint(path, Path(args.out), args.to)
+    shard = parse_bytes(args.max_shard_size) if args.max_shard_size else None
+    out = export_checkpoint(path, Path(args.out), args.to, int(shard) if shard else None)
     console.print(f"exported {path} -> {out}", highlight=False)
     return 0
 
@@ -240,8 +247,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         runs = compare.find_runs([Path(p) for p in args.paths])
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
-    wide = console if console.is_terminal else Console(width=160)
-    wide.print(compare.comparison_table(runs))
+    out = wide(console)
+    out.print(compare.comparison_table(runs))
     paths = compare.write_plots(runs, Path(args.out or "compare"), args.metrics.split(","), args.align)
     console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)
     if args.baseline is None:
@@ -250,7 +257,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         results = compare.parity(runs, args.baseline, args.tol)
     except KeyError as e:
         raise UsageError(e.args[0]) from None
-    wide.print(compare.parity_table(results, args.baseline, args.tol))
+    out.print(compare.parity_table(results, args.baseline, args.tol))
     return 0 if all(p["ok"] for p in results) else 1
 
 
@@ -270,10 +277,18 @@ def run_recipe_main(argv: Sequence[str] | None = None) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
-    "run": cmd_run, "explain": cmd_explain, "recipes": cmd_recipes, "init": cmd_init, "import": cmd_init,
-    "sweep": cmd_sweep, "compare": cmd_compare, "estimate": cmd_estimate, "parity": cmd_parity,
-    "pp-schedule": cmd_pp_schedule, "export": cmd_export,
-}  # fmt: skip
+    "run": cmd_run,
+    "explain": cmd_explain,
+    "recipes": cmd_recipes,
+    "init": cmd_init,
+    "import": cmd_init,
+    "sweep": cmd_sweep,
+    "compare": cmd_compare,
+    "estimate": cmd_estimate,
+    "parity": cmd_parity,
+    "pp-schedule": cmd_pp_schedule,
+    "export": cmd_export,
+}
 
 
 def meshforge_main(argv: Sequence[str] | None = None) -> int:

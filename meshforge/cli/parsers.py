@@ -127,5 +127,8 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         default="safetensors",
         help="safetensors (our names), hf (HF Llama folder), torchtitan (0.3.0 names), jax (Orbax pytree)",
     )
+    exp.add_argument(
+        "--max-shard-size", default=None, help="--to hf: largest safetensors shard, e.g. 5GB (HF's default)"
+    )
     exp.add_argument("out", help="output folder")
     return out

@@ -96,6 +96,10 @@ class IncompatibleWeights(MeshforgeError, ValueError):
     exit_code = EXIT_USAGE
 
 
+class UnsupportedConfig(IncompatibleWeights):
+    """An HF config.json key or value that changes the math in a way meshforge does not implement."""
+
+
 class CheckpointNotFound(MeshforgeError, FileNotFoundError):
     """No complete checkpoint where one was named."""
 

@@ -24,13 +24,14 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.configs import Recipe
 from meshforge.core.errors import NonFiniteLoss
 from meshforge.core.topology import ParallelDims
 from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.run.console import Banner, RunConsole
+from meshforge.run.console import RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
+from meshforge.run.describe import banner, logger_config, run_info
 from meshforge.run.distributed import DistEnv
 from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
 from meshforge.run.loggers import Loggers
@@ -129,42 +130,19 @@ class JaxTrainer:
     def run(self) -> RunState:
         r, st = self.recipe, self.state
         console = RunConsole(enabled=r.logging.progress)
-        record = RunRecord(
+        specs = {k: str(s.spec) for k, s in self.shardings.items()}
+        versions = {"jax": jax.__version__, "optax": optax.__version__}
+        info = run_info(r, self.dims, jax.default_backend(), self.n_params, backend="jax", param_specs=specs)
+        record = RunRecord(self.run_dir, r.run_name, {**info, "versions": versions})
+        loggers = Loggers(
+            r.logging,
             self.run_dir,
             r.run_name,
-            {
-                "backend": "jax",
-                "recipe": recipe_to_dict(r),
-                "mesh": self.dims.degrees,
-                "world_size": self.env.world_size,
-                "device": jax.default_backend(),
-                "n_params": self.n_params,
-                "param_specs": {k: str(s.spec) for k, s in self.shardings.items()},
-                "versions": {"jax": jax.__version__, "optax": optax.__version__},
-            },
+            record.run_id,
+            logger_config(r, self.dims, backend="jax"),
+            console.console,
         )
-        config = {
-            **recipe_to_dict(r),
-            **self.dims.degrees,
-            "world_size": self.env.world_size,
-            "layout": self.dims.label(),
-            "backend": "jax",
-        }
-        loggers = Loggers(r.logging, self.run_dir, r.run_name, record.run_id, config, console.console)
-        console.start(
-            Banner(
-                r.run_name,
-                f"{r.model.name}/{r.model.flavor}",
-                self.n_params,
-                self.env.world_size,
-                "cpu",
-                self.dims.spelled(),
-                r.train.steps,
-                None,
-                loss_floor(self.source),
-            ),
-            self.run_dir,
-        )
+        console.start(banner(r, self.dims, self.n_params, "cpu", None, loss_floor(self.source)), self.run_dir)
         status = "failed"
         try:
             for step in range(1, r.train.steps + 1):

@@ -311,11 +311,19 @@ def save_seed_checkpoint(model: nn.Module, out: Path, meta: dict) -> Path:
     return target
 
 
+def model_args_of(meta: dict):
+    """The model args a checkpoint was saved with: the shape the run resolved, or (older
+    checkpoints, which did not record it) its recipe's [model] resolved again."""
+    spec = get_model_spec(meta["recipe"]["model"]["name"])
+    saved = meta.get("model_args")
+    return spec.args_type(**saved) if saved else args_from_config(ModelConfig(**meta["recipe"]["model"]))
+
+
 def load_full_model(checkpoint: Path) -> tuple[nn.Module, object, dict]:
     """One process's unsharded model from any checkpoint (any mesh it was saved on), its
     model args and the checkpoint's meta."""
     meta = read_meta(checkpoint)
-    args = args_from_config(ModelConfig(**meta["recipe"]["model"]))
+    args = model_args_of(meta)
     model = get_model_spec(meta["recipe"]["model"]["name"]).build(args)
     model.init_buffers()
     dcp_load({"model": ModelState([model])}, checkpoint)

@@ -18,6 +18,7 @@ from meshforge.parallelisms.pp import stage_layout
 @dataclass
 class Plan:
     n_params: int
+    args: object  # the model family's resolved args
     dims: ParallelDims
     global_batch: int
     micro_batch: int
@@ -34,7 +35,8 @@ class Plan:
     def rows(self, r: Recipe) -> list[tuple[str, str]]:
         d = self.dims
         rows = [
-            ("model", f"{r.model.name}/{r.model.flavor}: {self.n_params:,} parameters"),
+            ("model", f"{model_source(r)}: {self.n_params:,} parameters"),
+            ("shape", describe_shape(self.args)),
             ("mesh", ", ".join(f"{k}={v}" for k, v in d.degrees.items()) + f"  (world size {d.world_size})"),
             (
                 "batch",
@@ -66,6 +68,23 @@ class Plan:
         return rows
 
 
+def model_source(r: Recipe) -> str:
+    """Where the model's shape comes from: its registry flavor or an HF folder."""
+    return f"{r.model.name} from {r.model.hf}" if r.model.hf else f"{r.model.name}/{r.model.flavor}"
+
+
+def describe_shape(a) -> str:
+    """The resolved shape on one line: what the model really is, overrides applied."""
+    rope = f"RoPE theta {a.rope_theta:g}"
+    if a.rope_scaling_factor is not None:
+        rope += f" x{a.rope_scaling_factor:g} (llama3, from {a.rope_original_max_seq_len})"
+    return (
+        f"dim {a.dim}, {a.n_layers} layers, {a.n_heads} heads / {a.kv_heads} kv of {a.head_dim}, "
+        f"FFN {a.ffn_hidden_dim}, vocab {a.vocab_size}, eps {a.norm_eps:g}, {rope}, "
+        f"{'tied' if a.tie_embeddings else 'untied'} embeddings, max_seq_len {a.max_seq_len}"
+    )
+
+
 def make_plan(r: Recipe) -> Plan:
     args = args_from_config(r.model)
     with torch.device("meta"):
@@ -75,6 +94,7 @@ def make_plan(r: Recipe) -> Plan:
     shards = dims.dp_shard * dims.tp * dims.pp  # replicas (dp_replicate) hold full copies
     return Plan(
         n_params=n_params,
+        args=args,
         dims=dims,
         global_batch=r.train.global_batch_size,
         micro_batch=r.train.micro_batch_size,

@@ -10,6 +10,7 @@ console what the terminal shows; the loop only steps, logs and asks them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -26,8 +27,9 @@ from meshforge.parallelisms import build_meshes, materialize, parallelize
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.run import distributed as mfdist
 from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState
-from meshforge.run.console import Banner, RunConsole
+from meshforge.run.console import RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
+from meshforge.run.describe import banner, logger_config, run_info
 from meshforge.run.figures import save_breakdown, save_pipeline
 from meshforge.run.flops import device_peak_flops, flops_per_token
 from meshforge.run.forward_backward import ForwardBackward
@@ -148,6 +150,15 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------
 
+    @property
+    def phase(self) -> str:
+        """What the step is doing (forward, backward, optimizer, ...), for an out-of-memory report."""
+        return self.forward_backward.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.forward_backward.phase = value
+
     def _checkpoint_meta(self, step: int, run_id: str | None) -> dict:
         return {
             "step": step,
@@ -156,6 +167,7 @@ class Trainer:
             "run_id": run_id,
             "mesh": self.dims.degrees,
             "recipe": recipe_to_dict(self.recipe),
+            "model_args": dataclasses.asdict(self.model_args),  # the resolved shape (model.hf may move)
         }
 
     # --- one step -------------------------------------------------------------------
@@ -183,7 +195,7 @@ class Trainer:
         lr = self.schedulers[0].get_last_lr()[0]
         # loss and norm are reduced over all ranks, so every rank takes the same branch
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        self.forward_backward.phase = "optimizer"
+        self.phase = "optimizer"
         if finite:
             for opt, sched in zip(self.optimizers, self.schedulers):
                 opt.step()
@@ -206,11 +218,24 @@ class Trainer:
         console = RunConsole(enabled=env.is_main and r.logging.progress)
         record = loggers = None
         if env.is_main:
-            record = RunRecord(self.run_dir, r.run_name, self._run_info(), self.resumed)
-            loggers = Loggers(
-                r.logging, self.run_dir, r.run_name, record.run_id, self._logger_config(), console.console
+            record = RunRecord(
+                self.run_dir,
+                r.run_name,
+                run_info(r, self.dims, env.device.type, self.n_params, pipeline_layout=self._layout()),
+                self.resumed,
             )
-            console.start(self._banner(), self.run_dir)
+            loggers = Loggers(
+                r.logging,
+                self.run_dir,
+                r.run_name,
+                record.run_id,
+                logger_config(r, self.dims),
+                console.console,
+            )
+            console.start(
+                banner(r, self.dims, self.n_params, env.device.type, self._layout(), loss_floor(self.source)),
+                self.run_dir,
+            )
             if self.schedule is not None:
                 self._draw_pipeline(record, loggers)
         run_id = mfdist.broadcast_object(record.run_id if record else None)
@@ -310,9 +335,7 @@ class Trainer:
         """Which rank, what phase, the estimate, and (CUDA) the allocator's snapshot, written
         beside the run's records (`oom-rank<r>.json`, `.pickle` for pytorch.org/memory_viz)."""
         estimate = make_plan(self.recipe).bytes_per_rank
-        return dump_oom(
-            self.run_dir, self.env.rank, self.env.device, step, self.forward_backward.phase, estimate, error
-        )
+        return dump_oom(self.run_dir, self.env.rank, self.env.device, step, self.phase, estimate, error)
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
         state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizers))
@@ -328,47 +351,11 @@ class Trainer:
             **out.get("memory_breakdown", {}),
         }
 
+    def _layout(self) -> list[list[int]] | None:
+        return self.pmodel.layout if self.dims.pp_enabled else None
+
     def summary(self) -> dict:
         return summarize(self.state, self.throughput, loss_floor(self.source))
-
-    # --- what the run is --------------------------------------------------------------
-
-    def _run_info(self) -> dict:
-        return {
-            "recipe": recipe_to_dict(self.recipe),
-            "mesh": self.dims.degrees,
-            "world_size": self.env.world_size,
-            "device": str(self.env.device.type),
-            "n_params": self.n_params,
-            "pipeline_layout": self.pmodel.layout if self.dims.pp_enabled else None,
-        }
-
-    def _logger_config(self) -> dict:
-        # flat mesh keys let the W&B UI group and plot runs by layout
-        return {
-            **recipe_to_dict(self.recipe),
-            **self.dims.degrees,
-            "world_size": self.env.world_size,
-            "layout": self.dims.label(),
-        }
-
-    def _banner(self) -> Banner:
-        r = self.recipe
-        pipeline = None
-        if self.dims.pp_enabled:
-            stages = "; ".join(f"stage {s}: layers {ids}" for s, ids in enumerate(self.pmodel.layout))
-            pipeline = f"pipeline {r.pp.schedule} x {r.pp.microbatches} microbatches: {stages}"
-        return Banner(
-            r.run_name,
-            f"{r.model.name}/{r.model.flavor}",
-            self.n_params,
-            self.env.world_size,
-            self.env.device.type,
-            self.dims.spelled(),
-            r.train.steps,
-            pipeline,
-            loss_floor(self.source),
-        )
 
 
 def train(recipe: Recipe) -> RunState:

@@ -1,0 +1,194 @@
+"""Name maps between our parameter names and HF's / TorchTitan's, for any family whose
+HF layout is `model.embed_tokens`, `model.layers.N.<sub-module>`, `model.norm`, `lm_head`,
+with optionally some rows permuted per head (Llama's q/k: interleaved vs rotate-half RoPE)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+HF_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Interleaved-pair rows (Meta) -> rotate-half rows (HF), per head."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rotate-half rows (HF) -> interleaved-pair rows (Meta): the inverse of permute_to_hf."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+class HFNames:
+    """One family's HF names: `layer` maps a block's parameter (ours) to HF's; `permuted(name,
+    args)` says by how many heads a parameter's rows are permuted in HF's layout (or None)."""
+
+    def __init__(self, layer: dict[str, str], permuted: Callable[[str, object], int | None], family: str):
+        self.layer, self.permuted, self.family = layer, permuted, family
+        self._layer_back = {v: k for k, v in layer.items()}
+        self._top_back = {v: k for k, v in HF_TOP.items()}
+
+    def hf_name(self, name: str) -> str:
+        """Our parameter name -> HF's."""
+        if name in HF_TOP:
+            return HF_TOP[name]
+        m = _LAYER_KEY.match(name)
+        return f"model.layers.{m.group(1)}.{self.layer[m.group(2)]}"
+
+    def our_name(self, hf: str) -> str | None:
+        """HF's parameter name -> ours; None for buffers we recompute (rotary_emb)."""
+        if hf in self._top_back:
+            return self._top_back[hf]
+        m = _HF_LAYER_KEY.match(hf)
+        if m is None or m.group(2) not in self._layer_back:
+            if "rotary_emb" in hf:
+                return None
+            raise KeyError(f"unexpected HuggingFace {self.family} parameter {hf!r}")
+        return f"layers.{m.group(1)}.{self._layer_back[m.group(2)]}"
+
+    def tensor_to_hf(self, name: str, t: torch.Tensor, args) -> tuple[str, torch.Tensor] | None:
+        """One of our tensors as HF stores it (None: the tied output, which HF ties itself)."""
+        name = name_from_torchtitan(name)
+        if name == "output.weight" and args.tie_embeddings:
+            return None
+        heads = self.permuted(name, args)
+        return self.hf_name(name), t if heads is None else permute_to_hf(t, heads)
+
+    def to_hf(self, state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+        """Our (or TorchTitan's) state dict -> HF names and row order."""
+        pairs = (self.tensor_to_hf(k, v, args) for k, v in state.items() if not _rope_cache(k))
+        return dict(p for p in pairs if p is not None)
+
+    def from_hf(self, state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+        """An HF state dict -> our names and row order."""
+        out = {}
+        for hf, t in state.items():
+            ours = self.our_name(hf)
+            if ours is None:
+                continue
+            heads = self.permuted(ours, args)
+            out[ours] = t if heads is None else permute_from_hf(t, heads)
+        if args.tie_embeddings:
+            out.pop("output.weight", None)
+        return out
+
+    def source_name(self, name: str, layout: str, available) -> str:
+        """Where our parameter `name` is stored in a file of `layout` (hf | torchtitan | ours)."""
+        if layout == "torchtitan":
+            return name_to_torchtitan(name)
+        if layout != "hf":
+            return name
+        if name == "output.weight" and "lm_head.weight" not in available:
+            return "model.embed_tokens.weight"  # tied in the HF checkpoint
+        return self.hf_name(name)
+
+
+def _rope_cache(name: str) -> bool:
+    return "rope.cache" in name or name == "freqs_cis"
+
+
+# --- TorchTitan 0.3.0 (the same scheme for its llama3 and qwen3) --------------------------
+
+
+def name_from_torchtitan(name: str) -> str:
+    """A TorchTitan 0.3.0 name (attention.qkv_linear.wq, lm_head) -> the classic one we use."""
+    return name.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output.")
+
+
+def name_to_torchtitan(name: str) -> str:
+    """Our name -> TorchTitan 0.3.0's (its state-dict hooks fuse q/k/v on load)."""
+    return re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", name).replace(
+        "output.", "lm_head."
+    )
+
+
+def from_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A TorchTitan state dict under our names (its RoPE cache dropped: we recompute it)."""
+    return {name_from_torchtitan(k): v for k, v in state.items() if not _rope_cache(k)}
+
+
+def to_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict under TorchTitan 0.3.0's names."""
+    return {name_to_torchtitan(k): v for k, v in state.items()}
+
+
+# --- HF folders: one tensor at a time in, sharded safetensors + index out ------------------
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # HF's own default max_shard_size ("5GB")
+
+
+def save_hf_shards(pairs, config: dict, out, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list:
+    """Write (hf_name, tensor) pairs, as they come, into safetensors shards of at most
+    `max_shard_bytes` (a single model.safetensors when one is enough, as HF does) with
+    `model.safetensors.index.json`, and config.json. Only one shard is in memory at a time.
+    Returns the files written."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, current, size, total = [], {}, 0, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            tmp = out / f".shard-{len(shards):05d}.safetensors"
+            save_file(current, str(tmp), metadata={"format": "pt"})
+            shards.append((tmp, list(current)))
+            current, size = {}, 0
+
+    for name, t in pairs:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name], size, total = t.contiguous(), size + nbytes, total + nbytes
+    flush()
+    files = []
+    if len(shards) == 1:
+        shards[0][0].replace(out / "model.safetensors")
+        files.append(out / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (tmp, names) in enumerate(shards, 1):
+            final = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            tmp.replace(final)
+            files.append(final)
+            weight_map.update(dict.fromkeys(names, final.name))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return files
+
+
+def save_hf_state(names: HFNames, config, state: dict[str, torch.Tensor], args, out, **kw) -> list:
+    """A family's HF folder from our state dict: `config(args, dtype)` -> config.json, the
+    tensors under HF names (sharded with an index when large)."""
+    pairs = [p for p in (names.tensor_to_hf(k, v, args) for k, v in state.items()) if p is not None]
+    dtype = str(pairs[0][1].dtype).removeprefix("torch.")
+    return save_hf_shards(pairs, config(args, dtype), out, **kw)
+
+
+def load_hf_state(names: HFNames, read_args, folder) -> tuple[dict[str, torch.Tensor], object]:
+    """Our state dict and args from a family's HF folder (one or several safetensors files)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    args = read_args(folder)
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return names.from_hf(state, args), args
