@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from rich.table import Table
 
@@ -13,8 +14,12 @@ from .schema import Recipe, field_doc, sections
 
 def fields_help() -> str:
     """Every section.field with its doc, one per line (run_recipe --help's epilog)."""
-    lines = ["recipe fields (override any with section.key=value):"]
-    for sec, cls in sections().items():
+    lines = ["recipe fields (override any with section.key=value, or key=value at the top level):"]
+    secs = sections()
+    for f in dataclasses.fields(Recipe):
+        if f.name not in secs:
+            lines.append(f"  {f.name}: {f.metadata.get('doc', '')}")
+    for sec, cls in secs.items():
         for f in dataclasses.fields(cls):
             lines.append(f"  {sec}.{f.name}: {f.metadata.get('doc', '')}")
     return "\n".join(lines)
@@ -34,10 +39,8 @@ def explain_table(target: str | None) -> Table:
         if sec in secs:
             fields = [f for f in dataclasses.fields(secs[sec]) if not key or f.name == key]
             if not fields:
-                raise UsageError(
-                    f"{sec} has no field {key!r}; "
-                    f"fields: {', '.join(f.name for f in dataclasses.fields(secs[sec]))}"
-                )
+                names = [f.name for f in dataclasses.fields(secs[sec])]
+                raise UsageError(f"{sec} has no field {key!r}; {_suggest(key, names, sec + '.')}")
             for f in fields:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 table.add_row(f"{sec}.{f.name}", repr(default), f.metadata.get("doc", ""))
@@ -45,7 +48,13 @@ def explain_table(target: str | None) -> Table:
             try:
                 table.add_row(sec, "", field_doc(None, sec))
             except KeyError:
-                raise UsageError(
-                    f"no recipe field or section {name!r}; sections: {', '.join(secs)}"
-                ) from None
+                top = [f.name for f in dataclasses.fields(Recipe)]
+                raise UsageError(f"no recipe field or section {name!r}; {_suggest(sec, top)}") from None
     return table
+
+
+def _suggest(name: str, choices: list[str], prefix: str = "") -> str:
+    """'did you mean train.steps? (fields: ...)' or just the list."""
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    listed = f"fields: {', '.join(choices)}"
+    return f"did you mean {prefix}{close[0]}? ({listed})" if close else listed

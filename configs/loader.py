@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 from omegaconf import OmegaConf
 
@@ -41,7 +42,7 @@ def resolve_recipe_path(arg: str | None) -> Path:
     if path.stem in shipped and (path.suffix in ("", ".toml")) and not path.exists():
         return shipped[path.stem]
     hint = difflib.get_close_matches(path.stem, shipped, n=1)
-    fix = f"did you mean {hint[0]!r}? " if hint else ""
+    fix = f"did you mean {hint[0]}? " if hint else ""
     raise RecipeError(
         [Problem("recipe", arg, f"no such file; {fix}embedded recipes: {', '.join(sorted(shipped))}")],
         "recipe",
@@ -122,7 +123,7 @@ def check_keys_and_types(raw: dict) -> list[Problem]:
 def _unknown(name: str, value: Any, choices: list[str], prefix: str = "") -> Problem:
     leaf = name.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, choices, n=1, cutoff=0.6)
-    hint = f"did you mean {prefix}{close[0]!r}?" if close else f"valid keys: {', '.join(choices)}"
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"valid keys: {', '.join(choices)}"
     return Problem(name, value, f"unknown key; {hint}")
 
 
@@ -153,5 +154,15 @@ def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) 
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """Plain nested dict (for run.json, W&B config, --print-config)."""
+    """Plain nested dict (for run.json, W&B config)."""
     return dataclasses.asdict(recipe)
+
+
+def recipe_to_toml(recipe: Recipe) -> str:
+    """The recipe as TOML that loads back to the same recipe (`--print-config`, `<run>/recipe.toml`).
+    TOML has no null: a None field is left out, which loads back as its default, None."""
+    return tomli_w.dumps(_drop_none(recipe_to_dict(recipe)))
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

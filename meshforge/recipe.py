@@ -44,8 +44,9 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
         problems += get_model_spec(r.model.name).check(args, dims or ParallelDims())
         problems += check_shapes(r, args, dims)
     if dims is not None:
-        problems += checks.resolve_batch(r)
-        if args is not None:
+        batch_problems = checks.resolve_batch(r)
+        problems += batch_problems
+        if args is not None and not batch_problems:  # the schedule's rules need a resolved batch
             problems += check_pipeline(r.pp, dims.pp, args.n_layers, r.train.micro_batch_size)
         problems += check_combinations(r)
     problems += checks.check(r)

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.cli.parsers import run_parser, subcommand_parsers
-from meshforge.configs import Recipe, embedded_recipes, recipe_to_dict, resolve_recipe_path
+from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
 from meshforge.configs.explain import explain_table
 from meshforge.core.errors import EXIT_INTERRUPTED, MeshforgeError, Problem, RecipeError, UsageError
 
@@ -88,9 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return cmd_sweep(args)
     recipe = _load(args, _env_world(args.nproc))
     if args.print_config:
-        from omegaconf import OmegaConf
-
-        console.print(OmegaConf.to_yaml(recipe_to_dict(recipe)), highlight=False, markup=False)
+        print(recipe_to_toml(recipe), end="")  # plain: TOML that loads back to the same recipe
         return 0
     return run_loaded(recipe, dry_run=args.dry_run)
 
