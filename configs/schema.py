@@ -149,12 +149,20 @@ class LoggingConfig:
     log_every: int = F(1, "log metrics every N steps")
     tensorboard: bool = F(True, "write TensorBoard events next to metrics.jsonl")
     wandb: bool = F(True, "mirror metrics to Weights & Biases")
-    wandb_project: str = F("meshforge", "W&B project")
-    wandb_entity: Optional[str] = F(None, "W&B entity (team or user)")
-    wandb_group: Optional[str] = F(None, "W&B group (sweeps set it)")
-    wandb_tags: List[str] = F([], "W&B tags")
+    wandb_project: Optional[str] = F(None, "W&B project; None = WANDB_PROJECT, else 'meshforge'")
+    wandb_entity: Optional[str] = F(None, "W&B entity (team or user); None = WANDB_ENTITY")
+    wandb_group: Optional[str] = F(None, "W&B group (sweeps set it); None = WANDB_RUN_GROUP")
+    wandb_tags: Optional[List[str]] = F(None, "W&B tags; None = WANDB_TAGS (comma-separated)")
+    wandb_job_type: Optional[str] = F(
+        None, "W&B job_type; None = WANDB_JOB_TYPE, else 'train' (sweeps: sweep-point)"
+    )
     wandb_mode: Optional[str] = F(
-        None, "online | offline | disabled; None = WANDB_MODE, else online with a key, offline without"
+        None,
+        "online | offline | disabled; None = WANDB_MODE (dryrun = offline), else online with a key, "
+        "offline without",
+    )
+    wandb_log_checkpoint: bool = F(
+        False, "log the final checkpoint's location as a W&B artifact (a reference)"
     )
     progress: bool = F(True, "show a rich progress bar and summary in the terminal")
     memory_history: bool = F(

@@ -82,8 +82,17 @@ def test_explain_documents_fields(tmp_path):
 def test_print_config_is_toml_that_loads_back_to_the_same_recipe(tmp_path):
     from meshforge.recipe import load_recipe
 
-    args = ["debug_cpu", "mesh.dp_shard=-1", "--nproc", "8", "pp.schedule=GPipe", "model.n_layers=6",
-            "sweep.axes={pp.schedule: [1F1B, GPipe]}", "logging.wandb_tags=[a,b]", "run_name=x"]  # fmt: skip
+    args = [
+        "debug_cpu",
+        "mesh.dp_shard=-1",
+        "--nproc",
+        "8",
+        "pp.schedule=GPipe",
+        "model.n_layers=6",
+        "sweep.axes={pp.schedule: [1F1B, GPipe]}",
+        "logging.wandb_tags=[a,b]",
+        "run_name=x",
+    ]
     proc = run_cli([*args, "--print-config"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "printed.toml").write_text(proc.stdout)

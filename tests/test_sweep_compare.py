@@ -10,6 +10,7 @@ from conftest import QUICK, RECIPES, cli_env, run_cli
 
 from meshforge.experiments import compare
 from meshforge.experiments.sweep import mesh_shapes, sweep_points
+from meshforge.run import wandb_files as wf
 
 # the pp=4 point fails at its first step, on purpose: it must be recorded, not fatal
 FAIL_PP4 = """
@@ -101,7 +102,17 @@ def test_points_are_grouped_runs_in_wandb(sweep):
     info = json.loads((sweep_dir / "dp2-tp2" / "run.json").read_text())
     assert info["recipe"]["logging"]["wandb_group"] == "debug_cpu/sweep-debug_cpu-w4"
     assert "sweep" in info["recipe"]["logging"]["wandb_tags"]
-    assert list(sweep_dir.parent.glob("wandb/offline-run-*"))  # the summary table run
+    # as W&B itself recorded it: a sweep point, in the group, the nested recipe with its layout
+    (point,) = wf.run_files(sweep_dir / "dp2-tp2")
+    run = wf.run_record(point)
+    assert run.job_type == "sweep-point" and run.run_group == "debug_cpu/sweep-debug_cpu-w4"
+    config = wf.config(point)
+    assert (
+        config["mesh"]["tp"] == 2 and config["mesh"]["dp_shard"] == 2 and config["pp"]["schedule"] == "1F1B"
+    )
+    assert config["layout"] == "dp2-tp2" and config["world_size"] == 4
+    (summary,) = wf.run_files(sweep_dir)  # the summary table run, in the sweep folder
+    assert wf.run_record(summary).job_type == "sweep-summary"
 
 
 @pytest.mark.slow

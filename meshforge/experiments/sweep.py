@@ -27,7 +27,7 @@ from meshforge.configs import Recipe, RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.recipe import load_recipe
-from meshforge.run.loggers import wandb_mode
+from meshforge.run.loggers import wandb_settings
 from meshforge.run.plan import make_plan
 from meshforge.simulate.estimate import trace_pool, traced_estimate
 
@@ -147,6 +147,7 @@ def run_sweep(
             f"run_name={pt.label}",
             f"logging.wandb_group={group}",
             f"logging.wandb_tags=[sweep,{pt.label}]",
+            "logging.wandb_job_type=sweep-point",
             "logging.progress=false",
         ]
         try:
@@ -185,7 +186,7 @@ def run_sweep(
             f"({best[0]['tokens_per_sec']:,.0f} tokens/s); reproduce with: " + " ".join(best[0]["overrides"]),
             highlight=False,
         )
-    _log_wandb_table(base, group, rows)
+    _log_wandb_table(base, group, rows, sweep_dir)
     return sweep_dir
 
 
@@ -243,12 +244,13 @@ def summary_table(rows: list[dict]) -> Table:
     return table
 
 
-def _log_wandb_table(base: Recipe, group: str, rows: list[dict]) -> None:
-    """The sweep summary as a W&B Table in the sweep's group (offline without a key)."""
+def _log_wandb_table(base: Recipe, group: str, rows: list[dict], sweep_dir: Path) -> None:
+    """The sweep summary as a W&B Table in the sweep's group, job_type sweep-summary (offline
+    without a key), in the sweep folder."""
     if not base.logging.wandb:
         return
-    mode = wandb_mode(base.logging)
-    if mode == "disabled":
+    settings = {**wandb_settings(base.logging), "group": group, "job_type": "sweep-summary"}
+    if settings["mode"] == "disabled":
         return
     import wandb  # slow to import: only when the sweep logs its table
 
@@ -265,23 +267,15 @@ def _log_wandb_table(base: Recipe, group: str, rows: list[dict]) -> None:
     ]
     table = wandb.Table(columns=cols)
     for r in rows:
+        mesh = [r["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")]
         table.add_data(
-            r["label"],
-            r["status"],
-            *(r["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")),
-            r.get("tokens_per_sec"),
-            r.get("step_time"),
-            r.get("final_loss"),
+            r["label"], r["status"], *mesh, r.get("tokens_per_sec"), r.get("step_time"), r.get("final_loss")
         )
     run = wandb.init(
-        project=base.logging.wandb_project,
-        entity=base.logging.wandb_entity,
-        group=group,
         name="sweep-summary",
-        job_type="sweep-summary",
-        mode=mode,
-        dir=str(Path(base.output_dir)),
+        dir=str(sweep_dir),
         settings=wandb.Settings(init_timeout=60, silent=True),
+        **settings,
     )
     run.log({"sweep_summary": table})
     run.finish()

@@ -31,13 +31,12 @@ from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_s
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.run.console import RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
-from meshforge.run.describe import banner, logger_config, run_info
+from meshforge.run.describe import banner, open_run, run_info
 from meshforge.run.distributed import DistEnv
 from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
-from meshforge.run.loggers import Loggers
 from meshforge.run.memory import rank_memory, reduce_across_ranks
 from meshforge.run.optim import lr_multiplier
-from meshforge.run.record import RunRecord, RunState, Throughput, summarize
+from meshforge.run.record import RunState, Throughput, summarize
 from meshforge.run.step import IGNORE_INDEX
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.sharding import rank_slices
@@ -133,16 +132,9 @@ class JaxTrainer:
         specs = {k: str(s.spec) for k, s in self.shardings.items()}
         versions = {"jax": jax.__version__, "optax": optax.__version__}
         info = run_info(r, self.dims, jax.default_backend(), self.n_params, backend="jax", param_specs=specs)
-        record = RunRecord(self.run_dir, r.run_name, {**info, "versions": versions})
-        loggers = Loggers(
-            r.logging,
-            self.run_dir,
-            r.run_name,
-            record.run_id,
-            logger_config(r, self.dims, backend="jax"),
-            console.console,
-        )
-        console.start(banner(r, self.dims, self.n_params, "cpu", None, loss_floor(self.source)), self.run_dir)
+        about = banner(r, self.dims, self.n_params, "cpu", None, loss_floor(self.source))
+        record, loggers = open_run(r, self.dims, {**info, "versions": versions}, console, about)
+        console.start(about, self.run_dir, loggers.paths().get("wandb"))
         status = "failed"
         try:
             for step in range(1, r.train.steps + 1):

@@ -235,6 +235,11 @@ class Checkpointer:
                 load_into(part, reader)
         return None
 
+    def latest(self) -> Path | None:
+        """The newest committed checkpoint of this run (None if there is none)."""
+        found = committed(self.folder)
+        return found[-1] if found else None
+
     def maybe_save(self, step: int, last: bool, stopping: bool, meta: Callable[[], dict]) -> bool:
         """The checkpoint policy: save every `interval` steps, after the last step
         (`save_at_end`), and when the run is stopping (a signal). True if it saved."""

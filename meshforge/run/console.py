@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from meshforge.core.units import GiB, MiB
@@ -35,23 +43,28 @@ class RunConsole:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.console = Console(soft_wrap=True)
+        if not self.console.is_terminal:  # a pipe or a log file: wide enough that tables keep whole values
+            self.console = Console(soft_wrap=True, width=160)
         self._progress: Progress | None = None
         self._task = None
         self._last_print = 0.0
+        self._first: tuple[float, int] | None = None  # (time, step) of the first update shown
         self._total = 0
 
-    def start(self, b: Banner, run_dir: Path) -> None:
+    def start(self, b: Banner, run_dir: Path, wandb: str | None = None) -> None:
         if not self.enabled:
             return
-        self.console.print(
-            f"[bold]meshforge[/] {b.run_name}: {b.model} ({b.n_params:,} params) on "
-            f"{b.world_size} x {b.device_type} [{b.mesh}]"
+        what = (
+            f"{b.run_name}: {b.model} ({b.n_params:,} params) on {b.world_size} x {b.device_type} [{b.mesh}]"
         )
+        self.console.print("[bold]meshforge[/] " + escape(what))  # escaped: [dp_shard=2, ...] is no markup
         if b.pipeline:
-            self.console.print(b.pipeline)
+            self.console.print(escape(b.pipeline))
         if b.loss_floor is not None:
             self.console.print(f"synthetic source: loss floor (entropy rate) = {b.loss_floor:.4f} nats/token")
-        self.console.print(f"records: {run_dir}")
+        self.console.print(f"records: {run_dir}", highlight=False)
+        if wandb:
+            self.console.print(f"W&B: {wandb}", highlight=False)
         self._total = b.total_steps
         if self.console.is_terminal:
             self._progress = Progress(
@@ -61,6 +74,8 @@ class RunConsole:
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[tps]} tok/s"),
                 TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
                 console=self.console,
             )
             self._task = self._progress.add_task("train", total=b.total_steps, loss="-", tps="-")
@@ -73,11 +88,18 @@ class RunConsole:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=loss, tps=tps)
         elif time.monotonic() - self._last_print > 2.0 or step == self._total or step == 1:
-            # not a terminal (CI, a launcher's pipe): a plain line every couple of seconds
-            self._last_print = time.monotonic()
+            # not a terminal (CI, a pipe): a plain line every couple of seconds, with an ETA
+            now = time.monotonic()
+            self._first = self._first or (now, step)
+            eta = ""
+            if step > self._first[1]:
+                left = (now - self._first[0]) / (step - self._first[1]) * (self._total - step)
+                eta = f"  ETA {int(left // 60)}:{int(left % 60):02d}"
+            self._last_print = now
             self.console.print(
                 f"step {step}/{self._total}  loss {loss}  grad_norm {metrics['grad_norm']:.3f}  "
-                f"lr {metrics['lr']:.2e}  {tps} tok/s"
+                f"lr {metrics['lr']:.2e}  {tps} tok/s{eta}",
+                highlight=False,
             )
 
     def note(self, text: str) -> None:
@@ -101,7 +123,7 @@ class RunConsole:
         s = summary
         table = Table(title=f"{run_name}: {status}", show_header=False)
         table.add_column(style="bold")
-        table.add_column()
+        table.add_column(overflow="fold")  # paths and URLs wrap whole, never cut to "..."
         rows = [("steps", str(s["steps"]))]
         if "final_loss" in s:
             rows += [("final loss", f"{s['final_loss']:.4f}"), ("best loss", f"{s['best_loss']:.4f}")]

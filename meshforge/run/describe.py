@@ -1,12 +1,17 @@
 """What a run is, said once for the torch and JAX trainers: run.json's fields, the loggers'
-config and the terminal's banner."""
+config and hyperparameters, the terminal's banner, and opening the run's records."""
 
 from __future__ import annotations
 
-from meshforge.configs import Recipe, recipe_to_dict
+import dataclasses
+from pathlib import Path
+
+from meshforge.configs import Recipe, recipe_to_dict, recipe_to_toml
 from meshforge.core.topology import ParallelDims
-from meshforge.run.console import Banner
+from meshforge.run.console import Banner, RunConsole
+from meshforge.run.loggers import Loggers
 from meshforge.run.plan import model_source
+from meshforge.run.record import RunRecord
 
 
 def run_info(recipe: Recipe, dims: ParallelDims, device: str, n_params: int, **extra) -> dict:
@@ -21,14 +26,25 @@ def run_info(recipe: Recipe, dims: ParallelDims, device: str, n_params: int, **e
     }
 
 
-def logger_config(recipe: Recipe, dims: ParallelDims, **extra) -> dict:
-    """The loggers' config: the recipe, and flat layout keys to group and plot runs by in W&B."""
+def logger_config(recipe: Recipe, dims: ParallelDims) -> dict:
+    """The loggers' config: the nested recipe exactly (group and filter by mesh.tp,
+    pp.schedule, ...), plus keys that overwrite none of it: the layout's label and world size."""
+    return {**recipe_to_dict(recipe), "layout": dims.label(), "world_size": dims.world_size}
+
+
+def hparams(recipe: Recipe, dims: ParallelDims) -> dict:
+    """The layout and policies TensorBoard's HParams view compares runs by."""
+    r = recipe
     return {
-        **recipe_to_dict(recipe),
-        **dims.degrees,
-        "world_size": dims.world_size,
         "layout": dims.label(),
-        **extra,
+        "world_size": dims.world_size,
+        **{f"mesh.{k}": v for k, v in dims.degrees.items()},
+        "model": model_source(r),
+        "pp.schedule": r.pp.schedule,
+        "fsdp.param_dtype": r.fsdp.param_dtype,
+        "activation_checkpoint.mode": r.activation_checkpoint.mode,
+        "compile.enabled": r.compile.enabled,
+        "backend": r.backend,
     }
 
 
@@ -45,14 +61,50 @@ def banner(
     if layout is not None:
         stages = "; ".join(f"stage {s}: layers {ids}" for s, ids in enumerate(layout))
         pipeline = f"pipeline {recipe.pp.schedule} x {recipe.pp.microbatches} microbatches: {stages}"
+    r = recipe
     return Banner(
-        recipe.run_name,
-        model_source(recipe),
+        r.run_name,
+        model_source(r),
         n_params,
         dims.world_size,
         device_type,
         dims.spelled(),
-        recipe.train.steps,
+        r.train.steps,
         pipeline,
         loss_floor,
     )
+
+
+def open_run(
+    recipe: Recipe,
+    dims: ParallelDims,
+    info: dict,
+    console: RunConsole,
+    about: Banner,
+    resumed: dict | None = None,
+) -> tuple[RunRecord, Loggers]:
+    """The run's records, opened by the process that logs: run.json, `<run>/recipe.toml` (the
+    resolved recipe, also a W&B artifact and TensorBoard text), the loggers (continuing a
+    resumed run without duplicate steps); run.json also keeps the banner and where each
+    logger writes, so a launcher can show the run from its records."""
+    run_dir = Path(recipe.output_dir) / recipe.run_name
+    record = RunRecord(run_dir, recipe.run_name, {**info, "banner": dataclasses.asdict(about)}, resumed)
+    toml = recipe_to_toml(recipe)
+    (run_dir / "recipe.toml").write_text(toml)
+    resumed_step = resumed["step"] if resumed else None
+    config = logger_config(recipe, dims)
+    loggers = Loggers(
+        recipe.logging,
+        run_dir,
+        recipe.run_name,
+        record.run_id,
+        config,
+        console.console,
+        resumed_step,
+    )
+    loggers.describe(run_dir / "recipe.toml", toml, hparams(recipe, dims), record.run_id)
+    record.info["loggers"] = loggers.paths()
+    if loggers.wandb is not None:
+        record.info["wandb"] = loggers.wandb.where
+    record.write()
+    return record, loggers

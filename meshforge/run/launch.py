@@ -6,7 +6,9 @@ the distributed engine and each of its workers calls `train` directly.
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -16,8 +18,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import LaunchFailed
+from meshforge.run.console import RunConsole
 from meshforge.run.record import mark_failed
 from meshforge.run.trainer import train
+from meshforge.run.watch import LAUNCHED_ENV, RunWatcher
 
 
 def _free_port() -> int:
@@ -32,10 +36,9 @@ def _worker(recipe: Recipe) -> None:
 
 
 def launch_local(recipe: Recipe, nproc: int) -> None:
-    """Run `nproc` ranks of `recipe` here; each rank's output is prefixed with its rank.
-
-    A failing rank ends the whole job (max_restarts=0) and raises LaunchFailed.
-    """
+    """Run `nproc` ranks of `recipe` here. Each rank writes its output to its log file under
+    `<run>/logs/`; this process shows the run (run/watch.py). A failing rank ends the whole
+    job (max_restarts=0) and raises LaunchFailed naming it."""
     log_dir = Path(recipe.output_dir) / recipe.run_name / "logs"
     config = LaunchConfig(
         min_nodes=1,
@@ -48,11 +51,13 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
-        log_line_prefix_template="[rank${rank}] ",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
+    os.environ[LAUNCHED_ENV] = "launcher"  # inherited by the ranks: this process owns the terminal
+    console = RunConsole(enabled=recipe.logging.progress)
     try:
-        elastic_launch(config, _worker)(recipe)
+        with RunWatcher(log_dir.parent, console, started=time.time()):
+            elastic_launch(config, _worker)(recipe)
     except ChildFailedError as e:
         first_rank, failure = e.get_first_failure()
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message

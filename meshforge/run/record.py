@@ -113,8 +113,8 @@ class RunRecord:
         self.path = run_dir / "run.json"
         resumed = resumed or {}
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resumed:
-            truncate_metrics(run_dir / "metrics.jsonl", resumed["step"])  # later steps are logged again
+        if resumed:  # the steps after the checkpoint are logged again: the record is cut back to it
+            truncate_metrics(run_dir / "metrics.jsonl", resumed["step"])
         versions = {
             "meshforge": meshforge.__version__,
             "torch": torch.__version__,

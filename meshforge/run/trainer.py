@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ from meshforge.run import distributed as mfdist
 from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState
 from meshforge.run.console import RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
-from meshforge.run.describe import banner, logger_config, run_info
+from meshforge.run.describe import banner, open_run, run_info
 from meshforge.run.figures import save_breakdown, save_pipeline
 from meshforge.run.flops import device_peak_flops, flops_per_token
 from meshforge.run.forward_backward import ForwardBackward
@@ -48,6 +49,7 @@ from meshforge.run.optim import build_lr_scheduler, build_optimizer
 from meshforge.run.plan import make_plan
 from meshforge.run.record import RunRecord, RunState, Throughput, summarize
 from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
+from meshforge.run.watch import LAUNCHED_ENV
 
 # Our blocks add to the embedding output out of place, the case this warning is about.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
@@ -215,27 +217,18 @@ class Trainer:
 
     def run(self) -> RunState:
         r, env, st = self.recipe, self.env, self.state
-        console = RunConsole(enabled=env.is_main and r.logging.progress)
+        # launched here by meshforge: the launcher shows the run (run/watch.py); else rank 0 does
+        console = RunConsole(
+            enabled=env.is_main and r.logging.progress and os.environ.get(LAUNCHED_ENV) != "launcher"
+        )
         record = loggers = None
         if env.is_main:
-            record = RunRecord(
-                self.run_dir,
-                r.run_name,
-                run_info(r, self.dims, env.device.type, self.n_params, pipeline_layout=self._layout()),
-                self.resumed,
+            info = run_info(r, self.dims, env.device.type, self.n_params, pipeline_layout=self._layout())
+            about = banner(
+                r, self.dims, self.n_params, env.device.type, self._layout(), loss_floor(self.source)
             )
-            loggers = Loggers(
-                r.logging,
-                self.run_dir,
-                r.run_name,
-                record.run_id,
-                logger_config(r, self.dims),
-                console.console,
-            )
-            console.start(
-                banner(r, self.dims, self.n_params, env.device.type, self._layout(), loss_floor(self.source)),
-                self.run_dir,
-            )
+            record, loggers = open_run(r, self.dims, info, console, about, self.resumed)
+            console.start(about, self.run_dir, loggers.paths().get("wandb"))
             if self.schedule is not None:
                 self._draw_pipeline(record, loggers)
         run_id = mfdist.broadcast_object(record.run_id if record else None)
@@ -276,9 +269,21 @@ class Trainer:
             if record:
                 summary = self.summary()
                 record.close(status, summary)
+                self._log_final(loggers)
                 loggers.close(summary)
                 console.finish(r.run_name, status, summary, self.run_dir, env.device.type, loggers.paths())
         return st
+
+    def _log_final(self, loggers: Loggers) -> None:
+        """Per-rank memory as a table; with logging.wandb_log_checkpoint, the final checkpoint."""
+        if per_rank := self.state.per_rank_memory:
+            keys = list(per_rank[0])
+            loggers.log_table(
+                "memory_per_rank", ["rank", *keys], [[i, *map(r.get, keys)] for i, r in enumerate(per_rank)]
+            )
+        latest = self.checkpointer.latest()
+        if self.recipe.logging.wandb_log_checkpoint and latest is not None and loggers.wandb is not None:
+            loggers.wandb.log_reference(latest, f"checkpoint-{self.recipe.run_name}", "model")
 
     def _timed_step(self, step: int, loggers: Loggers | None, console: RunConsole) -> dict:
         """One step (tracked by category on logging.memory_breakdown_step), timed, logged."""
