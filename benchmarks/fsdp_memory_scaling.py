@@ -2,7 +2,7 @@
 
 Model states are the parameters and AdamW moments (gradients are freed after each step),
 measured on each rank as the bytes of the storages behind them, padding included
-(`mem/state_max` in metrics.jsonl: the largest rank).
+(`memory/state_gib` in metrics.jsonl: the largest rank).
 The ideal at N ranks is the 1-rank figure / N. Target: <= 1.05x ideal (padding of
 uneven shards and unsharded buffers are the overhead). Each degree is one real launch.
 
@@ -64,7 +64,7 @@ def state_bytes_at(dp: int, out: Path, overrides: list[str]) -> float:
         cmd, check=True, capture_output=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"}
     )
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    return last["mem/state_max"]
+    return last["memory/state_gib"] * 2**30
 
 
 def measure(degrees: list[int], overrides: list[str]) -> dict:

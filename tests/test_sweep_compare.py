@@ -73,7 +73,7 @@ def test_sweep_records_every_point(sweep):
     finished = [r for r in rows.values() if r["status"] == "finished"]
     assert len(finished) == 8
     for r in finished:
-        assert r["tokens_per_sec"] > 0 and r["peak_memory_max"] >= r["peak_memory_min"] > 0
+        assert r["tokens_per_sec"] > 0 and r["peak_gib_max"] >= r["peak_gib_min"] > 0
         assert r["estimate_gib"] > 0 and r["final_loss"] > 0
         # the traced estimate that decides skips: within 5% of the peak the point measured on step 2
         per_rank = json.loads((sweep_dir / r["label"] / "run.json").read_text())["summary"][

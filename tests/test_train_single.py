@@ -46,14 +46,21 @@ def test_metrics_jsonl_has_every_step_and_key(trained):
         "grad_norm",
         "lr",
         "tokens_per_sec",
+        "tokens_per_sec_per_device",
         "step_time",
-        "mem/rss_max",
-        "mem/rss_peak_min",
-        "mem/state_max",
-        "mem/rss_max_rank",
+        "memory/rss_gib",
+        "memory/max_rss_gib",
+        "memory/max_rss_pct",
+        "memory_min/max_rss_gib",
+        "memory/state_gib",
+        "memory_rank/rss_gib",
+        "time",  # wall clock: in the record, never charted
     ):
         assert key in rows[0], key
-    assert rows[0]["tokens_per_sec"] > 0 and rows[0]["mem/rss_max"] > 50e6  # a real process measurement
+    assert (
+        rows[0]["tokens_per_sec"] > 0 and rows[0]["memory/rss_gib"] > 0.05
+    )  # GiB: a real process measurement
+    assert rows[0]["tokens_per_sec_per_device"] == rows[0]["tokens_per_sec"]  # one process
     assert (
         rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1
     )  # against this CPU's measured matmul rate
@@ -77,7 +84,8 @@ def test_tensorboard_events_read_back(trained):
     losses = acc.Scalars("loss")
     assert [e.step for e in losses] == list(range(1, 151))
     assert losses[-1].value == pytest.approx(read_metrics(trained[0])[-1]["loss"], rel=1e-6)
-    assert "mem/rss_max" in acc.Tags()["scalars"]
+    assert "memory/rss_gib" in acc.Tags()["scalars"] and "time" not in acc.Tags()["scalars"]
+    assert "recipe/text_summary" in acc.Tags()["tensors"]  # the resolved recipe as text
 
 
 def test_wandb_went_offline_by_itself(trained):

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from meshforge.core.topology import ParallelDims  # noqa: E402
-from meshforge.core.units import GiB  # noqa: E402
+from meshforge.run.memory import PEAK  # noqa: E402
 
 
 @dataclass
@@ -56,12 +56,13 @@ class Run:
         return sum(vals) / len(vals) if vals else None
 
     def peak_memory(self) -> tuple[float | None, float | None]:
-        kind = "cuda_peak_active" if self.info.get("device") == "cuda" else "rss_peak"
+        """GiB at the last logged step: the largest rank's peak, and the smallest rank's."""
+        kind = PEAK["cuda" if self.info.get("device") == "cuda" else "cpu"]
         last = self.rows[-1] if self.rows else {}
-        return last.get(f"mem/{kind}_max"), last.get(f"mem/{kind}_min")
+        return last.get(f"memory/{kind}"), last.get(f"memory_min/{kind}")
 
     def per_rank_peak(self) -> list[float]:
-        kind = "cuda_peak_active" if self.info.get("device") == "cuda" else "rss_peak"
+        kind = PEAK["cuda" if self.info.get("device") == "cuda" else "cpu"]
         return [r[kind] for r in self.info.get("summary", {}).get("per_rank_memory", [])]
 
 
@@ -106,7 +107,8 @@ def comparison_table(runs: list[Run]) -> Table:
         "world",
         "status",
         "tokens/s",
-        "TFLOP/s (6N)",
+        "tokens/s/device",
+        "TFLOP/s/device",
         "step s",
         "peak mem max/min GiB",
         "final loss",
@@ -116,6 +118,8 @@ def comparison_table(runs: list[Run]) -> Table:
         table.add_column(c)
     for r in runs:
         tps, step_time = r.steady("tokens_per_sec"), r.steady("step_time")
+        # the records' own figures: one FLOP formula (run/flops.py) for the run, its records and here
+        per_device, tflops = r.steady("tokens_per_sec_per_device"), r.steady("tflops_per_device")
         mx, mn = r.peak_memory()
         at_common = next((x["loss"] for x in r.rows if x["step"] == common), None)
         table.add_row(
@@ -125,9 +129,10 @@ def comparison_table(runs: list[Run]) -> Table:
             str(r.info["world_size"]),
             r.info["status"],
             f"{tps:,.0f}" if tps else "",
-            f"{6 * r.info['n_params'] * tps / 1e12:.4f}" if tps else "",
+            f"{per_device:,.0f}" if per_device else "",
+            f"{tflops:.4g}" if tflops else "",
             f"{step_time:.3f}" if step_time else "",
-            f"{mx / GiB:.2f}/{mn / GiB:.2f}" if mx is not None else "",
+            f"{mx:.2f}/{mn:.2f}" if mx is not None else "",
             f"{r.rows[-1]['loss']:.4f}" if r.rows else "",
             f"{at_common:.4f}" if at_common is not None else "",
         )
@@ -169,7 +174,7 @@ def plot_memory(runs: list[Run]):
         for rank, value in enumerate(r.per_rank_peak()):
             label = None if rank in labelled else f"rank {rank}"
             labelled.add(rank)
-            ax.bar(i + rank * width, value / GiB, width, color=f"C{rank % 10}", label=label)
+            ax.bar(i + rank * width, value, width, color=f"C{rank % 10}", label=label)
     ax.set_xticks(
         [i + 0.4 - width / 2 for i in range(len(runs))], [r.name for r in runs], rotation=45, fontsize="small"
     )

@@ -26,6 +26,7 @@ from rich.table import Table
 from meshforge.configs import Recipe, RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
+from meshforge.experiments.compare import find_runs
 from meshforge.recipe import load_recipe
 from meshforge.run.loggers import wandb_settings
 from meshforge.run.plan import make_plan
@@ -95,16 +96,16 @@ def _run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
 
 
 def _measure(run_dir: Path) -> dict:
-    info = json.loads((run_dir / "run.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steady = rows[1:] or rows  # the first step pays for warm-up
-    peak = "mem/cuda_peak_active" if info["device"] == "cuda" else "mem/rss_peak"
+    """A finished point's figures, read as `compare` reads them (after the warm-up step)."""
+    (run,) = find_runs([run_dir])
+    peak_max, peak_min = run.peak_memory()
     return {
-        "tokens_per_sec": sum(r["tokens_per_sec"] for r in steady) / len(steady),
-        "step_time": sum(r["step_time"] for r in steady) / len(steady),
-        "peak_memory_max": rows[-1].get(f"{peak}_max"),
-        "peak_memory_min": rows[-1].get(f"{peak}_min"),
-        "final_loss": rows[-1]["loss"],
+        "tokens_per_sec": run.steady("tokens_per_sec"),
+        "tokens_per_sec_per_device": run.steady("tokens_per_sec_per_device"),
+        "step_time": run.steady("step_time"),
+        "peak_gib_max": peak_max,
+        "peak_gib_min": peak_min,
+        "final_loss": run.rows[-1]["loss"],
     }
 
 
@@ -227,8 +228,8 @@ def summary_table(rows: list[dict]) -> Table:
     for i, r in enumerate(ranked + others, 1):
         fin = r["status"] == "finished"
         mem = (
-            f"{r['peak_memory_max'] / GiB:.2f}/{r['peak_memory_min'] / GiB:.2f}"
-            if fin and r.get("peak_memory_max") is not None
+            f"{r['peak_gib_max']:.2f}/{r['peak_gib_min']:.2f}"
+            if fin and r.get("peak_gib_max") is not None
             else ""
         )
         table.add_row(

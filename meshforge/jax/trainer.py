@@ -34,7 +34,7 @@ from meshforge.run.data import ShardedLoader, build_source, loss_floor
 from meshforge.run.describe import banner, open_run, run_info
 from meshforge.run.distributed import DistEnv
 from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
-from meshforge.run.memory import rank_memory, reduce_across_ranks
+from meshforge.run.memory import memory_metrics, rank_memory
 from meshforge.run.optim import lr_multiplier
 from meshforge.run.record import RunState, Throughput, summarize
 from meshforge.run.step import IGNORE_INDEX
@@ -165,7 +165,7 @@ class JaxTrainer:
         state_bytes = sum(
             x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)) if hasattr(x, "nbytes")
         )
-        mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state_bytes), self.env.device)
+        mem, per_rank = memory_metrics(rank_memory(self.env.device, state_bytes), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, []
         return {
             "step": step,

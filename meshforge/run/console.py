@@ -20,7 +20,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from meshforge.core.units import GiB, MiB
+from meshforge.core.units import MiB
+from meshforge.run.memory import PEAK_MEANING
 from meshforge.run.memtrace import CATEGORIES
 
 
@@ -130,15 +131,25 @@ class RunConsole:
         if "loss_floor" in s:
             rows.append(("loss floor", f"{s['loss_floor']:.4f} (entropy of the synthetic source)"))
         if "tokens_per_sec" in s:
-            rows.append(("tokens/s", f"{s['tokens_per_sec']:,.0f} (all ranks, after step 1)"))
+            rows.append(
+                (
+                    "tokens/s",
+                    f"{s['tokens_per_sec']:,.0f} (all ranks, after step 1); "
+                    f"{s['tokens_per_sec_per_device']:,.0f} per device",
+                )
+            )
             peak = ""
             if "mfu" in s:
                 where = "(measured CPU matmul)" if device_type == "cpu" else "(datasheet)"
                 peak = f"MFU {s['mfu']:.1%} of {s['peak_tflops_per_device']:.3g} TFLOP/s {where}"
             rows.append(("TFLOP/s per device", f"{s['tflops_per_device']:.4g} {peak}"))
-        if "peak_memory_bytes" in s:
-            which = "CUDA peak active" if device_type == "cuda" else "peak RSS"
-            rows.append(("peak memory", f"{s['peak_memory_bytes'] / GiB:.2f} GiB ({which}, max over ranks)"))
+        if "peak_memory_gib" in s:
+            rows.append(
+                (
+                    "peak memory",
+                    f"{s['peak_memory_gib']:.2f} GiB ({PEAK_MEANING[device_type]}, max over ranks)",
+                )
+            )
         rows.append(("records", str(run_dir / "metrics.jsonl") + ", run.json"))
         rows += list(logger_paths.items())
         for k, v in rows:
@@ -153,14 +164,16 @@ class RunConsole:
 
 
 def memory_table(per_rank: list[dict]) -> Table:
-    """Per-rank memory at the last logged step (MiB)."""
-    keys = [k for k in per_rank[0] if not k.endswith(("retries", "ooms"))]
-    table = Table(title="memory per rank (MiB, last logged step)")
+    """Per-rank memory at the last logged step (GiB, %, counts as recorded)."""
+    keys = list(per_rank[0])
+    table = Table(title="memory per rank (last logged step)")
     table.add_column("rank")
     for k in keys:
         table.add_column(k, justify="right")
     for rank, row in enumerate(per_rank):
-        table.add_row(str(rank), *(f"{row[k] / MiB:,.1f}" for k in keys))
+        table.add_row(
+            str(rank), *(f"{row[k]:,.3f}" if k.endswith(("_gib", "_pct")) else f"{row[k]:g}" for k in keys)
+        )
     return table
 
 

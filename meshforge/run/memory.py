@@ -56,29 +56,40 @@ def model_state_tensors(
     return out
 
 
+# the per-rank peak each device type reports, and what it measures
+PEAK = {"cuda": "max_active_gib", "cpu": "max_rss_gib"}
+PEAK_MEANING = {"cuda": "CUDA peak active", "cpu": "peak RSS"}
+
+
 def rank_memory(device: torch.device, state: int) -> dict[str, float]:
-    """This rank's memory numbers, in bytes (counts for the CUDA retry/OOM counters)."""
+    """This rank's memory, named as TorchTitan names it, in GiB (and % of the device, and
+    counts). CUDA peaks are reset after reading, so each logged step reports the peak since
+    the one before; on CPU the OS keeps only the process's lifetime peak (max_rss)."""
     if device.type == "cuda":
         s = torch.cuda.memory_stats(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        active, reserved = s.get("active_bytes.all.peak", 0), s.get("reserved_bytes.all.peak", 0)
+        torch.cuda.reset_peak_memory_stats(device)
         return {
-            "cuda_allocated": s.get("allocated_bytes.all.current", 0),
-            "cuda_reserved": s.get("reserved_bytes.all.current", 0),
-            "cuda_peak_active": s.get("active_bytes.all.peak", 0),
-            "cuda_alloc_retries": s.get("num_alloc_retries", 0),
-            "cuda_ooms": s.get("num_ooms", 0),
-            "state": state,
+            "max_active_gib": active / GiB,
+            "max_active_pct": 100 * active / total,
+            "max_reserved_gib": reserved / GiB,
+            "max_reserved_pct": 100 * reserved / total,
+            "num_alloc_retries": s.get("num_alloc_retries", 0),
+            "num_ooms": s.get("num_ooms", 0),
+            "state_gib": state / GiB,
         }
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {
-        "rss": _rss_bytes(),
-        "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
-        "state": state,
+        "rss_gib": _rss_bytes() / GiB,
+        "max_rss_gib": peak / GiB,
+        "max_rss_pct": 100 * peak / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "state_gib": state / GiB,
     }
 
 
-def reduce_across_ranks(
-    values: dict[str, float], device: torch.device, prefix: str = "mem/"
-) -> tuple[dict[str, float], list[dict]]:
-    """{prefix+key_max, _min, _max_rank} over all ranks, and every rank's values (on all ranks)."""
+def gather_across_ranks(values: dict[str, float], device: torch.device) -> list[dict[str, float]]:
+    """Every rank's `values` (the same keys on every rank), on every rank."""
     keys = sorted(values)
     local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     if dist.is_initialized():
@@ -86,14 +97,32 @@ def reduce_across_ranks(
         dist.all_gather(gathered, local)
     else:
         gathered = [local]
-    table = torch.stack(gathered).cpu()  # (ranks, keys)
+    return [{k: float(v) for k, v in zip(keys, row.cpu().tolist())} for row in gathered]
+
+
+def memory_metrics(values: dict[str, float], device: torch.device) -> tuple[dict[str, float], list[dict]]:
+    """`memory/<name>`: the largest rank's value (what decides an out-of-memory), with
+    `memory_min/<name>` and `memory_rank/<name>` (which rank is largest) beside it; and every
+    rank's values."""
+    per_rank = gather_across_ranks(values, device)
     out: dict[str, float] = {}
-    for j, k in enumerate(keys):
-        col = table[:, j]
-        out[f"{prefix}{k}_max"] = float(col.max())
-        out[f"{prefix}{k}_min"] = float(col.min())
-        out[f"{prefix}{k}_max_rank"] = int(col.argmax())
-    per_rank = [{k: float(table[r, j]) for j, k in enumerate(keys)} for r in range(table.shape[0])]
+    for k in values:
+        col = [r[k] for r in per_rank]
+        out[f"memory/{k}"], out[f"memory_min/{k}"] = max(col), min(col)
+        out[f"memory_rank/{k}"] = col.index(max(col))
+    return out, per_rank
+
+
+def reduce_across_ranks(
+    values: dict[str, float], device: torch.device, prefix: str = "mem/"
+) -> tuple[dict[str, float], list[dict]]:
+    """{prefix+key_max, _min, _max_rank} over all ranks, and every rank's values (on all ranks)."""
+    per_rank = gather_across_ranks(values, device)
+    out: dict[str, float] = {}
+    for k in sorted(values):
+        col = [r[k] for r in per_rank]
+        out[f"{prefix}{k}_max"], out[f"{prefix}{k}_min"] = max(col), min(col)
+        out[f"{prefix}{k}_max_rank"] = col.index(max(col))
     return out, per_rank
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import meshforge
+from meshforge.run.memory import PEAK
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -62,11 +63,12 @@ class Throughput:
     device_type: str
 
     def rates(self, tokens: int, seconds: float) -> dict[str, float]:
-        """One step's tokens/s (all ranks), its time, TFLOP/s per device and MFU."""
+        """One step's tokens/s (all ranks, and per device), its time, TFLOP/s per device and MFU."""
         tokens_per_sec = tokens / seconds
         flops_per_device = self.flops_per_token * tokens_per_sec / self.world_size
         out = {
             "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
             "step_time": seconds,
             "tflops_per_device": flops_per_device / 1e12,
         }
@@ -83,6 +85,7 @@ def summarize(st: RunState, tp: Throughput, loss_floor: float | None = None) -> 
     if st.losses:
         tps = sum(steady) / len(steady)
         out.update(
+            tokens_per_sec_per_device=tps / tp.world_size,
             final_loss=st.losses[-1],
             best_loss=min(st.losses),
             tokens_per_sec=tps,
@@ -97,9 +100,9 @@ def summarize(st: RunState, tp: Throughput, loss_floor: float | None = None) -> 
         out["per_rank_memory"] = st.per_rank_memory
     if st.memory_breakdown:
         out["memory_breakdown"] = {"step": st.memory_breakdown_step, "per_rank": st.memory_breakdown}
-    peak_key = "mem/cuda_peak_active_max" if tp.device_type == "cuda" else "mem/rss_peak_max"
+    peak_key = f"memory/{PEAK[tp.device_type]}"
     if peak_key in st.last_memory:
-        out["peak_memory_bytes"] = st.last_memory[peak_key]
+        out["peak_memory_gib"] = st.last_memory[peak_key]
     return out
 
 

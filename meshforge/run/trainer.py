@@ -38,6 +38,7 @@ from meshforge.run.guards import BadStepBudget, StopSignals
 from meshforge.run.loggers import Loggers
 from meshforge.run.memory import (
     dump_oom,
+    memory_metrics,
     model_state_tensors,
     rank_memory,
     reduce_across_ranks,
@@ -344,7 +345,7 @@ class Trainer:
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
         state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizers))
-        mem, per_rank = reduce_across_ranks(rank_memory(self.env.device, state), self.env.device)
+        mem, per_rank = memory_metrics(rank_memory(self.env.device, state), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, per_rank
         return {
             "step": step,
