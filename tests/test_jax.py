@@ -9,10 +9,13 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402  (the `jax` extra; the test extra includes it)
+import pytest  # noqa: E402
+
+pytest.importorskip("jax", reason="the jax extra (installed by .[all], as CI does)")
+pytest.importorskip("transformers", reason="installed by .[all], as CI does")
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import QUICK, RECIPES, run_cli  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

@@ -145,3 +145,14 @@ def test_the_default_run_s_terminal(tmp_path):
     assert "…" not in out and "..." not in out
     logs = list((tmp_path / "outputs" / "debug_cpu" / "logs").glob("**/stdout.log"))
     assert len(logs) == 8
+
+
+def test_quiet_runs_show_nothing_but_meshforge_s_own_messages(tmp_path):
+    args = [str(RECIPES / "debug_cpu.toml"), *ONE_RANK, *QUICK, "train.steps=2", "run_name=q", "--quiet"]
+    first = run_cli(args, cwd=tmp_path)
+    assert first.returncode == 0 and first.stdout == "", first.stdout + first.stderr[-2000:]
+    second = run_cli([*args, "--log-level", "info"], cwd=tmp_path)  # the same run name again
+    assert second.returncode == 0 and second.stdout == ""
+    assert "INFO meshforge: an earlier run's records were moved to outputs/q." in second.stderr
+    third = run_cli([*args, "--log-level", "warning"], cwd=tmp_path)
+    assert "records were moved" not in third.stderr  # below the level

@@ -9,6 +9,7 @@ modules (torch, jax) are imported inside the commands that need them: `--help` i
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -22,9 +23,11 @@ from meshforge.cli.parsers import run_parser, subcommand_parsers
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
 from meshforge.configs.explain import explain_table
 from meshforge.core.errors import EXIT_INTERRUPTED, MeshforgeError, Problem, RecipeError, UsageError
+from meshforge.core.logs import setup_logging
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
+log = logging.getLogger("meshforge.cli")
 
 
 def main(command: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
@@ -87,6 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.sweep:
         return cmd_sweep(args)
     recipe = _load(args, _env_world(args.nproc))
+    if args.quiet:  # no banner, progress or summary: errors still reach stderr, the records everything
+        recipe.logging.progress = False
     if args.print_config:
         print(recipe_to_toml(recipe), end="")  # plain: TOML that loads back to the same recipe
         return 0
@@ -150,7 +155,7 @@ def _set_aside_previous_run(recipe: Recipe) -> None:
             n += 1
             target = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}")
         run_dir.rename(target)
-        console.print(f"note: an earlier run's records were moved to {target}", highlight=False)
+        log.info(f"an earlier run's records were moved to {target}")
 
 
 # --- meshforge subcommands -------------------------------------------------------------
@@ -271,7 +276,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def run_recipe_main(argv: Sequence[str] | None = None) -> int:
-    return main(cmd_run, run_parser().parse_intermixed_args(argv))
+    args = run_parser().parse_intermixed_args(argv)
+    setup_logging(args.log_level)
+    return main(cmd_run, args)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
@@ -307,4 +314,6 @@ def meshforge_main(argv: Sequence[str] | None = None) -> int:
         top.parse_args(argv[:1])  # prints help, or names the unknown command and exits 2
         return 2
     parser, fn = table[argv[0]]
-    return main(fn, parser.parse_intermixed_args(argv[1:]))
+    args = parser.parse_intermixed_args(argv[1:])
+    setup_logging(getattr(args, "log_level", None))
+    return main(fn, args)

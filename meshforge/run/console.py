@@ -4,6 +4,7 @@ trainer itself, so the torch and JAX trainers share it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from rich.table import Table
 from meshforge.core.units import MiB
 from meshforge.run.memory import PEAK_MEANING
 from meshforge.run.memtrace import CATEGORIES
+
+log = logging.getLogger("meshforge.run")
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,9 @@ class RunConsole:
             )
 
     def note(self, text: str) -> None:
-        if self.enabled:
-            self.console.print(f"[yellow]{text}[/]", highlight=False)
+        """Something the user should know mid-run: a warning through Python logging (so it
+        reaches the terminal, or a launched rank's log and from there the launcher)."""
+        log.warning(text)
 
     def finish(
         self,

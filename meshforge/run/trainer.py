@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import Interrupted, OutOfMemory
+from meshforge.core.logs import setup_logging
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import build_meshes, materialize, parallelize
@@ -366,6 +367,7 @@ class Trainer:
 
 def train(recipe: Recipe) -> RunState:
     """Train `recipe` in this process (one rank of the job); used by the launcher."""
+    setup_logging()  # a spawned rank: the level the launcher was given (MESHFORGE_LOG_LEVEL)
     try:
         return Trainer(recipe).run()
     finally:
