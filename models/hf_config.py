@@ -121,6 +121,72 @@ def rope_args(rope: dict) -> dict:
     )
 
 
+# what every decoder family reads from config.json (a family adds its own keys)
+DECODER_KEYS = {
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "intermediate_size",
+    "hidden_act",
+    "attention_bias",
+    "attention_dropout",
+}
+
+
+def decoder_config(args, architecture: str, model_type: str, dtype: str, **extra) -> dict:
+    """config.json of a SwiGLU RMSNorm decoder without biases, RoPE in the installed
+    transformers' format; a family adds its own keys (`extra`)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "head_dim": args.head_dim,
+        "num_key_value_heads": args.kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": dtype,
+        **extra,
+        **rope_entries(args),
+    }
+
+
+def decoder_args(
+    cfg: dict, family: str, model_type: str, extra_keys: set[str], default_max_positions: int
+) -> dict:
+    """The args fields every decoder family reads, after refusing what none implements
+    (another model_type, an unknown key, another activation, biases, attention dropout)."""
+    expect(cfg, "model_type", (model_type,), f"not a {family} checkpoint: use the family of its model_type")
+    check_keys(cfg, DECODER_KEYS | extra_keys, family)
+    expect(cfg, "hidden_act", ("silu",), "the FFN is SwiGLU: only silu is implemented")
+    expect(cfg, "attention_bias", (False,), "q/k/v/o projections with biases are not implemented")
+    expect(cfg, "attention_dropout", (0.0, 0), "attention dropout is not implemented")
+    return {
+        "dim": cfg["hidden_size"],
+        "n_layers": cfg["num_hidden_layers"],
+        "n_heads": cfg["num_attention_heads"],
+        "n_kv_heads": cfg.get("num_key_value_heads"),
+        "vocab_size": cfg["vocab_size"],
+        "ffn_dim": cfg["intermediate_size"],
+        "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "max_seq_len": cfg.get("max_position_embeddings", default_max_positions),
+        "tie_embeddings": cfg.get("tie_word_embeddings", False),
+        **rope_args(rope_of(cfg, default_theta=10000.0)),
+    }
+
+
 def rope_entries(args) -> dict:
     """The RoPE keys of a config.json for `args`, in the installed transformers' format
     (transformers 5: rope_parameters; 4, or none installed: rope_theta + rope_scaling,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import check_compatible, check_keys, expect, read_config, rope_args, rope_entries, rope_of
+from .hf_config import check_compatible, decoder_args, decoder_config, expect, read_config
 from .hf_names import (
     HFNames,
     from_torchtitan,
@@ -72,77 +72,24 @@ hf_name, to_hf, from_hf, source_name, tensor_to_hf = (
 
 
 def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
-    """config.json of the equivalent HF LlamaForCausalLM, RoPE in the installed transformers' format."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "head_dim": args.head_dim,
-        "torch_dtype": dtype,
-        **rope_entries(args),
-    }
-
-
-# what LlamaForCausalLM computes that we read (the rest is hf_config.IGNORED or refused)
-_READ = {
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "intermediate_size",
-    "head_dim",
-    "hidden_act",
-    "attention_bias",
-    "mlp_bias",
-    "attention_dropout",
-}
+    """config.json of the equivalent HF LlamaForCausalLM."""
+    return decoder_config(args, "LlamaForCausalLM", HF_MODEL_TYPE, dtype, mlp_bias=False)
 
 
 def args_from_hf_config(cfg: dict) -> LlamaArgs:
     """LlamaArgs of an HF Llama config.json (transformers 4 or 5 format); every key that
     would change the math and that we do not implement is refused."""
-    expect(cfg, "model_type", ("llama",), "not a Llama checkpoint: use the family of its model_type")
-    check_keys(cfg, _READ, "llama3")
-    expect(cfg, "hidden_act", ("silu",), "Llama's FFN is SwiGLU: only silu is implemented")
-    expect(cfg, "attention_bias", (False,), "q/k/v/o projections with biases are not implemented")
+    fields = decoder_args(cfg, "llama3", HF_MODEL_TYPE, {"mlp_bias"}, default_max_positions=2048)
     expect(cfg, "mlp_bias", (False,), "FFN projections with biases are not implemented")
-    expect(cfg, "attention_dropout", (0.0, 0), "attention dropout is not implemented")
-    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    fixed = fields["dim"] // fields["n_heads"]
     expect(
         cfg,
         "head_dim",
-        (dim // heads,),
-        f"Llama fixes head_dim = hidden_size / num_attention_heads = "
-        f"{dim // heads}; another head_dim is not implemented",
+        (fixed,),
+        f"Llama fixes head_dim = hidden_size / num_attention_heads = {fixed}; "
+        "another head_dim is not implemented",
     )
-    rope = rope_args(rope_of(cfg, default_theta=10000.0))
-    return LlamaArgs(
-        dim=dim,
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=cfg.get("num_key_value_heads"),
-        vocab_size=cfg["vocab_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_seq_len=cfg.get("max_position_embeddings", 2048),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-        ffn_dim=cfg["intermediate_size"],
-        **rope,
-    )
+    return LlamaArgs(**fields)
 
 
 def read_hf_args(folder: Path) -> LlamaArgs:

@@ -10,16 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import (
-    check_compatible,
-    check_keys,
-    expect,
-    read_config,
-    refuse,
-    rope_args,
-    rope_entries,
-    rope_of,
-)
+from .hf_config import check_compatible, decoder_args, decoder_config, expect, read_config, refuse
 from .hf_names import (
     HFNames,
     from_torchtitan,
@@ -67,75 +58,19 @@ hf_name, to_hf, from_hf, source_name, tensor_to_hf = (
 
 
 def hf_config(args: Qwen3Args, dtype: str = "float32") -> dict:
-    """config.json of the equivalent HF Qwen3ForCausalLM, RoPE in the installed transformers' format."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_attention_heads": args.n_heads,
-        "head_dim": args.head_dim,
-        "num_key_value_heads": args.kv_heads,
-        "num_hidden_layers": args.n_layers,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "torch_dtype": dtype,
-        **rope_entries(args),
-    }
-
-
-_READ = {
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "intermediate_size",
-    "hidden_act",
-    "attention_bias",
-    "attention_dropout",
-    "use_sliding_window",
-    "sliding_window",
-    "max_window_layers",
-    "layer_types",
-}
+    """config.json of the equivalent HF Qwen3ForCausalLM."""
+    return decoder_config(args, "Qwen3ForCausalLM", HF_MODEL_TYPE, dtype, use_sliding_window=False)
 
 
 def args_from_hf_config(cfg: dict) -> Qwen3Args:
     """Qwen3Args of an HF Qwen3 config.json (transformers 4 or 5 format); every key that
     would change the math and that we do not implement is refused."""
-    expect(cfg, "model_type", ("qwen3",), "not a Qwen3 checkpoint: use the family of its model_type")
-    check_keys(cfg, _READ, "qwen3")
-    expect(cfg, "hidden_act", ("silu",), "Qwen3's FFN is SwiGLU: only silu is implemented")
-    expect(cfg, "attention_bias", (False,), "q/k/v/o projections with biases are not implemented")
-    expect(cfg, "attention_dropout", (0.0, 0), "attention dropout is not implemented")
+    extra = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+    fields = decoder_args(cfg, "qwen3", HF_MODEL_TYPE, extra, default_max_positions=32768)
     expect(cfg, "use_sliding_window", (False,), "sliding-window attention is not implemented")
     if set(cfg.get("layer_types") or ["full_attention"]) != {"full_attention"}:
         raise refuse("layer_types", cfg["layer_types"], "only full-attention layers are implemented")
-    rope = rope_args(rope_of(cfg, default_theta=10000.0))
-    heads = cfg["num_attention_heads"]
-    return Qwen3Args(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=cfg.get("num_key_value_heads"),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        ffn_dim=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_seq_len=cfg.get("max_position_embeddings", 32768),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-        **rope,
-    )
+    return Qwen3Args(**fields, head_dim=cfg.get("head_dim") or fields["dim"] // fields["n_heads"])
 
 
 def read_hf_args(folder: Path) -> Qwen3Args:
