@@ -34,6 +34,10 @@ IGNORED = {
     "output_hidden_states": "what HF returns, not what it computes",
     "return_dict": "what HF returns, not what it computes",
     "tie_word_embeddings": "read",
+    "_attn_implementation": "which kernel HF runs attention with (eager, sdpa): the same math",
+    "is_llama_config": "a marker some converters write (SmolLM2); transformers ignores it",
+    "rope_interleaved": "a converter's note (SmolLM2): transformers ignores it and rotates halves",
+    "transformers.js_config": "settings of the JavaScript port",
 }
 ROPE_KEYS = {"rope_theta", "rope_scaling", "rope_parameters"}
 

@@ -196,7 +196,15 @@ def test_every_key_we_do_not_implement_is_refused_by_name(tmp_path, family, key,
 
 def test_the_harmless_keys_are_ignored_and_nested_full_attention_rope_is_read():
     cfg = json.loads(json.dumps(qwen3_hf.hf_config(MODELS["qwen3"].flavors["debug"])))
-    cfg.update(_name_or_path="x", use_cache=False, bos_token_id=1, initializer_range=0.5, pretraining_tp=1)
+    cfg.update(
+        _name_or_path="x",
+        use_cache=False,
+        bos_token_id=1,
+        initializer_range=0.5,
+        pretraining_tp=1,
+        is_llama_config=True,
+        rope_interleaved=False,
+    )  # SmolLM2 writes the last two
     cfg.pop("rope_parameters", None)
     cfg["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 123.0}}
     assert qwen3_hf.args_from_hf_config(cfg).rope_theta == 123.0
