@@ -111,8 +111,8 @@ def test_points_are_grouped_runs_in_wandb(sweep):
         config["mesh"]["tp"] == 2 and config["mesh"]["dp_shard"] == 2 and config["pp"]["schedule"] == "1F1B"
     )
     assert config["layout"] == "dp2-tp2" and config["world_size"] == 4
-    (summary,) = wf.run_files(sweep_dir)  # the summary table run, in the sweep folder
-    assert wf.run_record(summary).job_type == "sweep-summary"
+    summaries = wf.run_files(sweep_dir)  # a summary table run per sweep command, in the sweep folder
+    assert len(summaries) == 2 and {wf.run_record(s).job_type for s in summaries} == {"sweep-summary"}
 
 
 @pytest.mark.slow

@@ -107,6 +107,9 @@ class WandbLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, run_id: str, config: dict, console):
         import wandb
 
+        # our own W&B service, not one a parent process advertises in WANDB_SERVICE: a killed
+        # run's stream then dies with its service, and its resume is not refused as "in use"
+        os.environ.pop("WANDB_SERVICE", None)
         self._wandb, self.skip_through, self.run_id = wandb, 0, run_id
         kwargs = {
             **wandb_settings(cfg),
