@@ -125,6 +125,3 @@ class Interrupted(MeshforgeError, RuntimeError):
     """Stopped by SIGTERM/SIGINT (after saving a checkpoint when enabled)."""
 
     exit_code = EXIT_INTERRUPTED
-
-
-Preempted = Interrupted  # the name the trainer's callers know

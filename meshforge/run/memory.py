@@ -20,6 +20,11 @@ from torch.distributed.tensor import DTensor
 from meshforge.core.units import GiB
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -83,7 +88,7 @@ def rank_memory(device: torch.device, state: int) -> dict[str, float]:
     return {
         "rss_gib": _rss_bytes() / GiB,
         "max_rss_gib": peak / GiB,
-        "max_rss_pct": 100 * peak / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "max_rss_pct": 100 * peak / host_memory_bytes(),
         "state_gib": state / GiB,
     }
 

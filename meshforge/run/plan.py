@@ -13,6 +13,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms.pp import stage_layout
+from meshforge.run.memory import host_memory_bytes
 
 
 @dataclass
@@ -122,10 +123,6 @@ def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
     else:
         stored = layers * per_layer
     return stored + 12 * tokens * args.vocab_size / dims.tp
-
-
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_machine(plan: Plan, device_type: str, launching_locally: bool) -> list[str]:
