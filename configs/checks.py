@@ -51,6 +51,7 @@ def check_enums(r: Recipe) -> list[Problem]:
         "data.source": (r.data.source, ("synthetic", "text", "hf")),
         "data.hf_format": (r.data.hf_format, ("text", "json", "parquet")),
         "optimizer.name": (r.optimizer.name, ("adamw",)),
+        "optimizer.implementation": (r.optimizer.implementation, ("fused", "foreach", "for-loop")),
         "backend": (r.backend, ("torch", "jax")),
     }
     if r.logging.wandb_mode is not None:
@@ -208,6 +209,8 @@ def check_ranges(r: Recipe) -> list[Problem]:
         ("lr_scheduler.warmup_steps", s.warmup_steps, 0 <= s.warmup_steps, "must be >= 0"),
         ("lr_scheduler.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "must be in [0, 1]"),
         ("logging.log_every", lg.log_every, lg.log_every > 0, "must be > 0"),
+        ("logging.warmup_steps", lg.warmup_steps, lg.warmup_steps >= 0, "must be >= 0"),
+        ("logging.flush_every", lg.flush_every, lg.flush_every > 0, "must be > 0"),
         (
             "logging.memory_breakdown_step",
             lg.memory_breakdown_step,

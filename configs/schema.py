@@ -107,6 +107,9 @@ class OptimizerConfig:
     betas: List[float] = F([0.9, 0.95], "AdamW betas")
     eps: float = F(1e-8, "AdamW epsilon")
     weight_decay: float = F(0.1, "decoupled weight decay")
+    implementation: str = F(
+        "fused", "fused (one kernel per step; foreach where a parameter cannot) | foreach | for-loop"
+    )
 
 
 @dataclass
@@ -171,6 +174,10 @@ class LoggingConfig:
     memory_breakdown_step: int = F(
         2, "track memory by category (torch MemTracker) on this step, per rank; 0 = off"
     )
+    warmup_steps: int = F(
+        2, "steps left out of the throughput summary at the start of a process (compile, allocator)"
+    )
+    flush_every: int = F(10, "flush TensorBoard events every N logged steps (and at the end)")
 
 
 @dataclass

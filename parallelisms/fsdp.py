@@ -2,7 +2,8 @@
 
 Each transformer block is one all-gather/reduce-scatter group; the embeddings are one,
 and norm + output another (kept unsharded after forward: backward needs them first).
-With a 2-D (dp_replicate, dp_shard) mesh this is HSDP; with dp_shard = 1, replication.
+With a 2-D (dp_replicate, dp_shard) mesh this is HSDP; with dp_shard = 1, replication;
+on one data-parallel rank it applies only for `cpu_offload` (`fsdp_applies`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from meshforge.configs.schema import FSDPConfig
+from meshforge.core.topology import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def fsdp_applies(dims: ParallelDims, cfg: FSDPConfig) -> bool:
+    """FSDP2 wraps the model whenever there is data parallelism, and on one data-parallel
+    rank too when its CPU offload is asked for (a 1-rank mesh: the shards are the whole)."""
+    return dims.fsdp_enabled or cfg.cpu_offload
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:

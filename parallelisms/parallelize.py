@@ -25,7 +25,7 @@ from meshforge.models import ModelSpec
 
 from .ac import apply_ac
 from .compile import apply_compile
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, fsdp_applies
 from .mesh import Meshes
 from .pp import pipeline_split
 from .tp import apply_tp
@@ -62,6 +62,6 @@ def parallelize(
             apply_tp(part, meshes.tp, tp, spec)
         apply_ac(part, ac)
         apply_compile(part, compile)
-        if dims.fsdp_enabled:
+        if fsdp_applies(dims, fsdp):
             apply_fsdp(part, meshes.fsdp, fsdp)
     return ParallelModel(parts, ids, layout)

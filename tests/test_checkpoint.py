@@ -43,6 +43,19 @@ def ce(logits, labels):
 t.Trainer.train_step, fb.cross_entropy_sum = step, ce
 """
 
+# rank 0 (DCP's coordinator) dies while the async save of step 10 is being written: its shards
+# are on disk, its .metadata is not
+KILL_DURING_ASYNC_SAVE_OF_STEP10 = """
+import os, signal
+from torch.distributed.checkpoint import filesystem as fs
+original = fs.FileSystemWriter.finish
+def finish(self, metadata, results):
+    if "step-00000010" in str(self.path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self, metadata, results)
+fs.FileSystemWriter.finish = finish
+"""
+
 
 def _args(out: Path, name: str, *extra: str) -> list[str]:
     return [
@@ -95,6 +108,29 @@ def test_kill_9_of_a_rank_then_resume_gives_the_same_curve(reference, tmp_path):
     assert _losses(run_dir) == _losses(reference)  # bit-identical
     info = json.loads((run_dir / "run.json").read_text())
     assert info["run_id"] == run_id and info["resumed_from"].endswith("step-00000005")  # same W&B run
+
+
+@pytest.mark.slow
+def test_async_checkpoint_commits_as_soon_as_written_survives_a_kill_mid_write_and_resumes_exactly(
+    reference, tmp_path
+):
+    """checkpoint.async_save: step 5's save is committed while training goes on (not at the
+    next save), a kill while step 10's is being written leaves step 5 loadable and step 10
+    uncommitted, and the resumed run matches the synchronous reference bit for bit."""
+    args = _args(tmp_path, "async", "mesh.dp_shard=4", *CKPT, "checkpoint.async_save=true")
+    proc = run_cli(args, cwd=tmp_path, env=_hook_env(tmp_path, KILL_DURING_ASYNC_SAVE_OF_STEP10))
+    assert proc.returncode == 1 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    folder = tmp_path / "async" / "checkpoints"
+    assert [p.name for p in committed(folder)] == ["step-00000005"]
+    assert (folder / "step-00000010.tmp").is_dir()  # written in part, never renamed
+    proc = run_cli([*args, "checkpoint.load=latest"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "async")
+    assert [r["step"] for r in rows if "checkpoint_seconds" in r] == [5, 10]
+    assert _losses(tmp_path / "async") == _losses(reference)  # the async snapshot is the sync one
+    assert [p.name for p in committed(folder)] == ["step-00000005", "step-00000010"]
+    summary = json.loads((tmp_path / "async" / "run.json").read_text())["summary"]
+    assert summary["throughput_steps"]["excluded"]["checkpoint"] == [10]  # the resumed process's save
 
 
 @pytest.mark.slow

@@ -105,6 +105,7 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "fsdp2_bf16": (["mesh.dp_shard=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
     "fsdp2_compile": (["mesh.dp_shard=2", "compile.enabled=true"], [], 1e-5),
     "fsdp2_cpu_offload": (["mesh.dp_shard=2", "fsdp.cpu_offload=true"], [], 1e-5),
+    "one_process_cpu_offload": (["fsdp.cpu_offload=true"], [], 1e-5),  # FSDP on a 1-rank mesh
     "qwen3_tp2": (["mesh.tp=2", *QWEN3], QWEN3, 1e-5),  # QK-norm weights reduced over tp
     "qwen3_tp2_no_sp": (["mesh.tp=2", "tp.sequence_parallel=false", *QWEN3], QWEN3, 1e-5),
     "qwen3_pp2": (["mesh.pp=2", *QWEN3], QWEN3, 1e-5),

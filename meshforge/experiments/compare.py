@@ -15,6 +15,9 @@ from rich.table import Table  # noqa: E402
 
 from meshforge.core.topology import ParallelDims  # noqa: E402
 from meshforge.run.memory import PEAK  # noqa: E402
+from meshforge.run.record import steady_throughput, step_times_of_rows  # noqa: E402
+
+THROUGHPUT_KEYS = ("tokens_per_sec", "step_time", "tokens_per_sec_per_device", "tflops_per_device")
 
 
 @dataclass
@@ -51,9 +54,25 @@ class Run:
         t = self.info["recipe"]["train"]
         return t["global_batch_size"] * t["seq_len"]
 
-    def steady(self, key: str) -> float | None:
-        vals = [r[key] for r in self.rows[1:] or self.rows if key in r]  # the first step pays for warm-up
-        return sum(vals) / len(vals) if vals else None
+    def throughput(self) -> dict[str, float | None]:
+        """Steady tokens/s (all ranks, per device), TFLOP/s per device and step time: the
+        run's summary (over every step), or for a run that ended without one, its logged
+        steps under the same rule (`run.record.steady_throughput`)."""
+        summary = self.info.get("summary") or {}
+        if "tokens_per_sec" in summary:
+            return {k: summary.get(k) for k in THROUGHPUT_KEYS}
+        warmup = self.info["recipe"].get("logging", {}).get("warmup_steps", 2)
+        times = step_times_of_rows(self.rows, warmup)
+        if not times:
+            return dict.fromkeys(THROUGHPUT_KEYS)
+        steady, first = steady_throughput(times), next(r for r in self.rows if "step_time" in r)
+        tps, world = steady["tokens_per_sec"], self.info["world_size"]
+        return {
+            "tokens_per_sec": tps,
+            "tokens_per_sec_per_device": tps / world,
+            "tflops_per_device": first["tflops_per_device"] * tps / first["tokens_per_sec"],
+            "step_time": steady["step_time"],
+        }
 
     def peak_memory(self) -> tuple[float | None, float | None]:
         """GiB at the last logged step: the largest rank's peak, and the smallest rank's."""
@@ -117,9 +136,9 @@ def comparison_table(runs: list[Run]) -> Table:
     for c in cols:
         table.add_column(c)
     for r in runs:
-        tps, step_time = r.steady("tokens_per_sec"), r.steady("step_time")
         # the records' own figures: one FLOP formula (run/flops.py) for the run, its records and here
-        per_device, tflops = r.steady("tokens_per_sec_per_device"), r.steady("tflops_per_device")
+        tp = r.throughput()
+        tps, step_time, per_device, tflops = (tp[k] for k in THROUGHPUT_KEYS)
         mx, mn = r.peak_memory()
         at_common = next((x["loss"] for x in r.rows if x["step"] == common), None)
         table.add_row(
@@ -157,7 +176,7 @@ def plot_metric(runs: list[Run], metric: str = "loss", align: str = "step"):
 def plot_throughput(runs: list[Run]):
     fig, ax = plt.subplots(figsize=(8, 5))
     names = [r.name for r in runs]
-    ax.bar(names, [r.steady("tokens_per_sec") or 0 for r in runs])
+    ax.bar(names, [r.throughput()["tokens_per_sec"] or 0 for r in runs])
     ax.set_ylabel("tokens/s (all ranks, after step 1)")
     ax.set_title("throughput")
     ax.tick_params(axis="x", rotation=45, labelsize="small")

@@ -96,13 +96,14 @@ def _run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
 
 
 def _measure(run_dir: Path) -> dict:
-    """A finished point's figures, read as `compare` reads them (after the warm-up step)."""
+    """A finished point's figures, read as `compare` reads them (its steady steps)."""
     (run,) = find_runs([run_dir])
     peak_max, peak_min = run.peak_memory()
+    tp = run.throughput()
     return {
-        "tokens_per_sec": run.steady("tokens_per_sec"),
-        "tokens_per_sec_per_device": run.steady("tokens_per_sec_per_device"),
-        "step_time": run.steady("step_time"),
+        "tokens_per_sec": tp["tokens_per_sec"],
+        "tokens_per_sec_per_device": tp["tokens_per_sec_per_device"],
+        "step_time": tp["step_time"],
         "peak_gib_max": peak_max,
         "peak_gib_min": peak_min,
         "final_loss": run.rows[-1]["loss"],

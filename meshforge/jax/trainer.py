@@ -36,7 +36,7 @@ from meshforge.run.distributed import DistEnv
 from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
 from meshforge.run.memory import memory_metrics, rank_memory
 from meshforge.run.optim import lr_multiplier
-from meshforge.run.record import RunState, Throughput, summarize
+from meshforge.run.record import RunState, StepTime, Throughput, summarize
 from meshforge.run.step import IGNORE_INDEX
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.sharding import rank_slices
@@ -137,15 +137,18 @@ class JaxTrainer:
         console.start(about, self.run_dir, loggers.paths().get("wandb"))
         status = "failed"
         try:
+            step_end = time.perf_counter()
             for step in range(1, r.train.steps + 1):
-                t0 = time.perf_counter()
                 out = self.train_step(step)
-                dt = time.perf_counter() - t0
+                now = time.perf_counter()
+                dt, step_end = now - step_end, now
                 if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
                     raise NonFiniteLoss(f"non-finite loss ({out['loss']}) at step {step} (backend=jax)")
                 st.step = step
                 st.losses.append(out["loss"])
-                st.tokens_per_sec.append(out["tokens"] / dt)
+                st.times.append(
+                    StepTime(step, out["tokens"], dt, "warmup" if step <= r.logging.warmup_steps else None)
+                )
                 if step % r.logging.log_every == 0 or step == r.train.steps:
                     metrics = self._metrics(step, out, dt)
                     loggers.log(metrics)

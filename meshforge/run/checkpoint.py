@@ -240,14 +240,17 @@ class Checkpointer:
         found = committed(self.folder)
         return found[-1] if found else None
 
-    def maybe_save(self, step: int, last: bool, stopping: bool, meta: Callable[[], dict]) -> bool:
+    def maybe_save(self, step: int, last: bool, stopping: bool, meta: Callable[[], dict]) -> float | None:
         """The checkpoint policy: save every `interval` steps, after the last step
-        (`save_at_end`), and when the run is stopping (a signal). True if it saved."""
+        (`save_at_end`), and when the run is stopping (a signal). Returns the seconds the save
+        held training up (an async save: its staging), or None if it did not save."""
         c = self.cfg
+        self._poll()
         if not c.enabled or not (step % c.interval == 0 or (last and c.save_at_end) or stopping):
-            return False
+            return None
+        start = time.perf_counter()
         self.save(step, meta())
-        return True
+        return time.perf_counter() - start
 
     def save(self, step: int, meta: dict) -> None:
         self.wait()
@@ -264,25 +267,42 @@ class Checkpointer:
                 dcp.save(self.state, checkpoint_id=str(tmp))
             self._commit(tmp, meta)
 
+    def _poll(self) -> None:
+        """Commit an async save as soon as its writes are done, without waiting for the next
+        save: a run killed later keeps it. No collective: rank 0 is DCP's coordinator, and its
+        future completes only after every rank's shards and the metadata are written."""
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        future, tmp, meta = self._pending
+        self._pending = None
+        future.result()  # a failed write raises here, and the .tmp folder is never committed
+        if self.is_main:
+            self._publish(tmp, meta)
+
     def wait(self) -> None:
-        """Finish and commit an async save in flight."""
+        """Finish and commit an async save in flight (every rank, at the same point)."""
         if self._pending is not None:
-            future, tmp, meta = self._pending
-            self._pending = None
-            future.result()
-            self._commit(tmp, meta)
+            self._finish_pending()
+        if self.cfg.async_save:
+            _barrier()  # on every rank: rank 0 may have committed already (`_poll`), others not
 
     def _commit(self, tmp: Path, meta: dict) -> None:
         _barrier()  # every rank has written its shards
         if self.is_main:
-            (tmp / META).write_text(json.dumps({**meta, "saved_at": time.time()}, indent=1, default=str))
-            final = tmp.with_suffix("")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            if self.cfg.keep_latest > 0:
-                for old in committed(self.folder)[: -self.cfg.keep_latest]:
-                    shutil.rmtree(old, ignore_errors=True)
+            self._publish(tmp, meta)
         _barrier()
+
+    def _publish(self, tmp: Path, meta: dict) -> None:
+        """meta.json, then one rename: a checkpoint folder without `.tmp` is complete."""
+        (tmp / META).write_text(json.dumps({**meta, "saved_at": time.time()}, indent=1, default=str))
+        final = tmp.with_suffix("")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if self.cfg.keep_latest > 0:
+            for old in committed(self.folder)[: -self.cfg.keep_latest]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model_only: bool = False) -> dict:
         """Load `path` into this rank's parts (resharding as needed); returns its meta."""

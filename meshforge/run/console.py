@@ -43,6 +43,19 @@ class Banner:
     loss_floor: float | None = None
 
 
+def counted_steps(throughput_steps: dict | None) -> str:
+    """'over 25 steps (left out: warmup 1-2, checkpoint 10, 20)': which steps the rate covers."""
+    if not throughput_steps:
+        return ""
+    left_out = [
+        f"{why.replace('_', ' ')} {', '.join(map(str, steps))}"
+        for why, steps in throughput_steps["excluded"].items()
+    ]
+    return f"over {throughput_steps['counted']} steps" + (
+        f" (left out: {'; '.join(left_out)})" if left_out else ""
+    )
+
+
 class RunConsole:
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -138,10 +151,15 @@ class RunConsole:
             rows.append(
                 (
                     "tokens/s",
-                    f"{s['tokens_per_sec']:,.0f} (all ranks, after step 1); "
-                    f"{s['tokens_per_sec_per_device']:,.0f} per device",
+                    f"{s['tokens_per_sec']:,.0f} (all ranks); "
+                    f"{s['tokens_per_sec_per_device']:,.0f} per device; "
+                    + counted_steps(s.get("throughput_steps")),
                 )
             )
+            if "checkpoint_step_overhead_s" in s:
+                rows.append(
+                    ("checkpoint step", f"+{s['checkpoint_step_overhead_s']:.2f} s over a steady step")
+                )
             peak = ""
             if "mfu" in s:
                 where = "(measured CPU matmul)" if device_type == "cpu" else "(datasheet)"

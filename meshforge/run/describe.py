@@ -9,6 +9,7 @@ from pathlib import Path
 from meshforge.configs import Recipe, recipe_to_dict, recipe_to_toml
 from meshforge.core.topology import ParallelDims
 from meshforge.run.console import Banner, RunConsole
+from meshforge.run.figures import save_breakdown, save_pipeline
 from meshforge.run.loggers import Loggers
 from meshforge.run.plan import model_source
 from meshforge.run.record import RunRecord
@@ -108,3 +109,32 @@ def open_run(
         record.info["wandb"] = loggers.wandb.where
     record.write()
     return record, loggers
+
+
+def draw_pipeline(schedule, recipe: Recipe, record: RunRecord, loggers: Loggers, step: int) -> None:
+    """The schedule that runs, per rank, as a picture (run folder and W&B) and a bubble figure."""
+    title = f"{recipe.pp.schedule}, {recipe.pp.microbatches} microbatches"
+    fig, record.info["pp_bubble_fraction"] = save_pipeline(
+        schedule, title, record.run_dir / "pp_schedule.png"
+    )
+    loggers.log_figure("pp_schedule", fig, step)
+    fig.clf()
+
+
+def draw_breakdown(per_rank: list[dict], recipe: Recipe, step: int, loggers: Loggers) -> None:
+    """Memory by category per rank at the tracked step, as a stacked bar (run folder and loggers)."""
+    run_dir = Path(recipe.output_dir) / recipe.run_name
+    title = f"{recipe.run_name}: memory by category at step {step}"
+    fig = save_breakdown(per_rank, run_dir / "memory_breakdown.png", title)
+    loggers.log_figure("memory_breakdown", fig, step)
+    fig.clf()
+
+
+def log_final(loggers: Loggers, recipe: Recipe, per_rank_memory: list[dict], latest: Path | None) -> None:
+    """Per-rank memory as a table; with logging.wandb_log_checkpoint, the final checkpoint."""
+    if per_rank_memory:
+        keys = list(per_rank_memory[0])
+        rows = [[i, *map(r.get, keys)] for i, r in enumerate(per_rank_memory)]
+        loggers.log_table("memory_per_rank", ["rank", *keys], rows)
+    if recipe.logging.wandb_log_checkpoint and latest is not None and loggers.wandb is not None:
+        loggers.wandb.log_reference(latest, f"checkpoint-{recipe.run_name}", "model")

@@ -42,8 +42,9 @@ def pick_device_type(requested: str) -> str:
     return requested
 
 
-def setup(device_request: str, cpu_threads: int = 0) -> DistEnv:
-    """Init the process group when there is more than one rank; choose device and threads."""
+def setup(device_request: str, cpu_threads: int = 0, group_of_one: bool = False) -> DistEnv:
+    """Init the process group when there is more than one rank (or, with `group_of_one`, for
+    one process alone: FSDP needs a mesh); choose device and threads."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -56,10 +57,13 @@ def setup(device_request: str, cpu_threads: int = 0) -> DistEnv:
         device = torch.device("cpu")
         # share the cores between the local processes instead of oversubscribing them
         torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+    device_id = device if device_type == "cuda" else None
     if world > 1 and not dist.is_initialized():
-        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT, device_id=device_id)
+    elif group_of_one and not dist.is_initialized():
         dist.init_process_group(
-            backend=backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device_type == "cuda" else None
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
         )
     return DistEnv(rank, local_rank, world, local_world, device)
 

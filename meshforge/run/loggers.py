@@ -39,11 +39,15 @@ class JSONLLogger:
 class TensorBoardLogger:
     """Scalars per step; on resume, events from the resumed step on are purged (no duplicates)."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, flush_every: int = 10):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "tensorboard"
-        self._w = SummaryWriter(log_dir=str(self.path), purge_step=resume_step + 1 if resume_step else None)
+        # the writer's own thread also flushes every 30 s; a flush per step costs a file sync
+        self._w = SummaryWriter(
+            log_dir=str(self.path), purge_step=resume_step + 1 if resume_step else None, flush_secs=30
+        )
+        self.flush_every, self._unflushed = flush_every, 0
 
     def describe(self, recipe_toml: str, hparams: dict[str, Any]) -> None:
         """The recipe as text, and the layout as HParams (with loss as its metric)."""
@@ -58,7 +62,10 @@ class TensorBoardLogger:
         for k, v in metrics.items():
             if k not in ("step", WALL_CLOCK) and isinstance(v, (int, float)):
                 self._w.add_scalar(k, v, step)
-        self._w.flush()
+        self._unflushed += 1
+        if self._unflushed >= self.flush_every:
+            self._w.flush()
+            self._unflushed = 0
 
     def log_figure(self, name: str, fig, step: int) -> None:
         self._w.add_figure(name, fig, step, close=False)
@@ -206,7 +213,9 @@ class Loggers:
         resumed_step: int | None = None,
     ):
         self.jsonl = JSONLLogger(run_dir)
-        self.tensorboard = TensorBoardLogger(run_dir, resumed_step) if cfg.tensorboard else None
+        self.tensorboard = (
+            TensorBoardLogger(run_dir, resumed_step, cfg.flush_every) if cfg.tensorboard else None
+        )
         self.wandb = None
         if cfg.wandb:
             self.wandb = WandbLogger(cfg, run_dir, run_name, run_id, config, console)

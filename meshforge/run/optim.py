@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 
+log = logging.getLogger(__name__)
 
-def build_optimizer(params, cfg: OptimizerConfig, foreach: bool | None = None) -> torch.optim.Optimizer:
+
+def fused_unavailable(params: list[torch.Tensor]) -> str | None:
+    """Why torch's fused AdamW cannot take these parameters (None: it can). DTensors are
+    fine: the fused kernel runs on their local shards."""
+    supported = _get_fused_kernels_supported_devices()
+    for p in params:
+        if p.device.type not in supported:
+            return f"no fused AdamW kernel for {p.device.type} tensors (torch has one for {supported})"
+        if not torch.is_floating_point(p):
+            return f"a {p.dtype} parameter (fused AdamW takes floating-point tensors)"
+    return None
+
+
+def build_optimizer(params, cfg: OptimizerConfig, implementation: str | None = None) -> torch.optim.Optimizer:
+    """AdamW as the recipe asks: `fused` (TorchTitan's default: one kernel per step, on CPU
+    as on CUDA), falling back to `foreach`, with the reason logged, where it cannot run."""
+    params = list(params)
+    impl = implementation or cfg.implementation
+    if impl == "fused" and (why := fused_unavailable(params)):
+        log.warning("optimizer.implementation = fused: %s; using foreach", why)
+        impl = "foreach"
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=foreach
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=impl == "fused" or None,
+        foreach=impl == "foreach" if impl != "fused" else None,
     )
 
 

@@ -38,13 +38,59 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """One step's tokens and wall time: from the end of the previous step to the end of this
+    one, so data, logging and checkpoints are all counted once. `excluded` says why the
+    throughput summary leaves the step out (None: a steady step)."""
+
+    step: int
+    tokens: int
+    seconds: float
+    excluded: str | None = None  # "warmup" | "memory_tracking" | "checkpoint"
+
+
+def exclusion(nth_step: int, warmup: int, tracked: bool, saved: bool) -> str | None:
+    """Why a step (the `nth_step` of this process) is not a steady one: the one rule."""
+    if nth_step <= warmup:
+        return "warmup"
+    return "memory_tracking" if tracked else "checkpoint" if saved else None
+
+
+def step_times_of_rows(rows: list[dict], warmup: int) -> list[StepTime]:
+    """The logged steps of a `metrics.jsonl` as StepTimes, under the rule the trainer uses."""
+    out = []
+    for i, row in enumerate(r for r in rows if "step_time" in r):
+        tracked = any(k.startswith("mem_breakdown/") for k in row)
+        excluded = exclusion(i + 1, warmup, tracked, "checkpoint_seconds" in row)
+        tokens = round(row["tokens_per_sec"] * row["step_time"])
+        out.append(StepTime(row["step"], tokens, row["step_time"], excluded))
+    return out
+
+
+def steady_throughput(times: list[StepTime]) -> dict:
+    """Tokens over time across the steady steps (all ranks), and which steps were left out.
+    A run too short to have steady steps counts all but its first (or its only) step."""
+    counted = [t for t in times if t.excluded is None] or times[1:] or times
+    excluded: dict[str, list[int]] = {}
+    for t in times:
+        if t not in counted:
+            excluded.setdefault(t.excluded or "first", []).append(t.step)
+    seconds = sum(t.seconds for t in counted)
+    return {
+        "tokens_per_sec": sum(t.tokens for t in counted) / seconds if seconds else 0.0,
+        "step_time": seconds / len(counted) if counted else 0.0,
+        "throughput_steps": {"counted": len(counted), "excluded": excluded},
+    }
+
+
 @dataclass
 class RunState:
     """What the loop has seen so far, for the summary."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
-    tokens_per_sec: list[float] = field(default_factory=list)
+    times: list[StepTime] = field(default_factory=list)
     last_memory: dict = field(default_factory=dict)
     per_rank_memory: list = field(default_factory=list)
     memory_breakdown: list = field(
@@ -78,22 +124,25 @@ class Throughput:
 
 
 def summarize(st: RunState, tp: Throughput, loss_floor: float | None = None) -> dict:
-    """The run's summary: losses, steady throughput (the first step pays for warm-up), MFU,
-    and memory."""
-    steady = st.tokens_per_sec[1:] or st.tokens_per_sec
+    """The run's summary: losses, steady throughput (`steady_throughput`), MFU, and memory."""
     out: dict = {"steps": st.step}
     if st.losses:
-        tps = sum(steady) / len(steady)
+        steady = steady_throughput(st.times)
+        tps = steady["tokens_per_sec"]
         out.update(
-            tokens_per_sec_per_device=tps / tp.world_size,
             final_loss=st.losses[-1],
             best_loss=min(st.losses),
-            tokens_per_sec=tps,
+            **steady,
+            tokens_per_sec_per_device=tps / tp.world_size,
             tflops_per_device=tp.flops_per_token * tps / tp.world_size / 1e12,
         )
         if tp.peak_flops:
             out["mfu"] = out["tflops_per_device"] * 1e12 / tp.peak_flops
             out["peak_tflops_per_device"] = tp.peak_flops / 1e12
+        saves = [t.seconds for t in st.times if t.excluded == "checkpoint"]
+        if saves and steady["step_time"]:
+            # what a checkpoint step costs beyond a steady step (async saves should cost little)
+            out["checkpoint_step_overhead_s"] = sum(saves) / len(saves) - steady["step_time"]
     if loss_floor is not None:
         out["loss_floor"] = loss_floor
     if st.per_rank_memory:

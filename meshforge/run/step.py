@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshforge.configs.schema import FSDPConfig, TPConfig
 from meshforge.core.topology import ParallelDims
-from meshforge.parallelisms.fsdp import DTYPES
+from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies
 
 IGNORE_INDEX = -100
 
@@ -52,7 +52,7 @@ class StepPolicy:
 
     @classmethod
     def of(cls, dims: ParallelDims, tp: TPConfig, fsdp: FSDPConfig) -> StepPolicy:
-        autocast = not dims.fsdp_enabled and fsdp.param_dtype != "float32"
+        autocast = not fsdp_applies(dims, fsdp) and fsdp.param_dtype != "float32"
         return cls(dims.tp_enabled and tp.loss_parallel, DTYPES[fsdp.param_dtype] if autocast else None)
 
     def context(self, device_type: str) -> contextlib.ExitStack:

@@ -31,8 +31,7 @@ from meshforge.run import distributed as mfdist
 from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState
 from meshforge.run.console import RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
-from meshforge.run.describe import banner, open_run, run_info
-from meshforge.run.figures import save_breakdown, save_pipeline
+from meshforge.run.describe import banner, draw_breakdown, draw_pipeline, log_final, open_run, run_info
 from meshforge.run.flops import device_peak_flops, flops_per_token
 from meshforge.run.forward_backward import ForwardBackward
 from meshforge.run.guards import BadStepBudget, StopSignals
@@ -49,7 +48,7 @@ from meshforge.run.memory import (
 from meshforge.run.memtrace import peak_categories, tracked_step
 from meshforge.run.optim import build_lr_scheduler, build_optimizer
 from meshforge.run.plan import make_plan
-from meshforge.run.record import RunRecord, RunState, Throughput, summarize
+from meshforge.run.record import RunState, StepTime, Throughput, exclusion, summarize
 from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 from meshforge.run.watch import LAUNCHED_ENV
 
@@ -60,7 +59,8 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding
 class Trainer:
     def __init__(self, recipe: Recipe):
         self.recipe = r = recipe
-        self.env = mfdist.setup(r.train.device, r.train.cpu_threads)
+        # one process needs a (1-rank) process group only when FSDP still applies: cpu_offload
+        self.env = mfdist.setup(r.train.device, r.train.cpu_threads, group_of_one=r.fsdp.cpu_offload)
         if r.logging.memory_history:
             start_memory_history(self.env.device)
         self.dims = ParallelDims.from_config(r.mesh)
@@ -71,7 +71,7 @@ class Trainer:
         torch.manual_seed(r.seed)
         if r.train.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.meshes = build_meshes(self.dims, self.env.device.type) if self.env.world_size > 1 else None
+        self.meshes = build_meshes(self.dims, self.env.device.type) if dist.is_initialized() else None
 
         # model on meta -> parallelize -> materialize
         self.spec = get_model_spec(r.model.name)
@@ -91,7 +91,7 @@ class Trainer:
             fsdp=r.fsdp,
         )
         for part in self.pmodel.parts:
-            materialize(part, self.env.device, r.seed)
+            materialize(part, self.env.device, r.seed, params_on_cpu=r.fsdp.cpu_offload)
             part.train()
         self.params = [p for part in self.pmodel.parts for p in part.parameters()]
 
@@ -103,7 +103,12 @@ class Trainer:
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
         self.source = build_source(r.data, self.model_args.vocab_size, r.train.seq_len)
         self.loader = ShardedLoader(
-            self.source, r.train.micro_batch_size, r.train.grad_accum_steps, dp_rank, self.dims.dp
+            self.source,
+            r.train.micro_batch_size,
+            r.train.grad_accum_steps,
+            dp_rank,
+            self.dims.dp,
+            prefetch=True,
         )
 
         ids, n_stages = self.pmodel.stage_ids, self.dims.pp * r.pp.stages_per_rank
@@ -232,28 +237,27 @@ class Trainer:
             record, loggers = open_run(r, self.dims, info, console, about, self.resumed)
             console.start(about, self.run_dir, loggers.paths().get("wandb"))
             if self.schedule is not None:
-                self._draw_pipeline(record, loggers)
+                draw_pipeline(self.schedule, r, record, loggers, self.start_step)
         run_id = mfdist.broadcast_object(record.run_id if record else None)
         status, budget = "failed", BadStepBudget(r.train.max_bad_steps)
         try:
             with self.stop:
+                step_end = time.perf_counter()
                 for step in range(self.start_step + 1, r.train.steps + 1):
-                    out = self._timed_step(step, loggers, console)
+                    out, tracked = self._step(step, loggers, console)
+                    saved_s = self.checkpointer.maybe_save(
+                        step, step == r.train.steps, out["stop"], lambda: self._checkpoint_meta(step, run_id)
+                    )
+                    now = time.perf_counter()  # the step's time runs from the last one's end to here
+                    self._record(step, out, now - step_end, tracked, saved_s, loggers, console)
+                    step_end = now
                     if not out["finite"]:
                         console.note(budget.spend(step, out))
-                    last = step == r.train.steps
-                    self.checkpointer.maybe_save(
-                        step, last, out["stop"], lambda: self._checkpoint_meta(step, run_id)
-                    )
                     if out["stop"]:
                         status = "preempted"
+                        resume = "; checkpoint saved, resume with checkpoint.load=latest"
                         raise Interrupted(
-                            f"stopped by a signal after step {step}"
-                            + (
-                                "; checkpoint saved, resume with checkpoint.load=latest"
-                                if r.checkpoint.enabled
-                                else ""
-                            )
+                            f"stopped by a signal after step {step}" + resume * r.checkpoint.enabled
                         )
             self.checkpointer.wait()
             status = "finished"
@@ -268,48 +272,45 @@ class Trainer:
                 record.fail(e)
             raise
         finally:
+            self.loader.close()
             if record:
                 summary = self.summary()
                 record.close(status, summary)
-                self._log_final(loggers)
+                log_final(loggers, r, self.state.per_rank_memory, self.checkpointer.latest())
                 loggers.close(summary)
                 console.finish(r.run_name, status, summary, self.run_dir, env.device.type, loggers.paths())
         return st
 
-    def _log_final(self, loggers: Loggers) -> None:
-        """Per-rank memory as a table; with logging.wandb_log_checkpoint, the final checkpoint."""
-        if per_rank := self.state.per_rank_memory:
-            keys = list(per_rank[0])
-            loggers.log_table(
-                "memory_per_rank", ["rank", *keys], [[i, *map(r.get, keys)] for i, r in enumerate(per_rank)]
-            )
-        latest = self.checkpointer.latest()
-        if self.recipe.logging.wandb_log_checkpoint and latest is not None and loggers.wandb is not None:
-            loggers.wandb.log_reference(latest, f"checkpoint-{self.recipe.run_name}", "model")
-
-    def _timed_step(self, step: int, loggers: Loggers | None, console: RunConsole) -> dict:
-        """One step (tracked by category on logging.memory_breakdown_step), timed, logged."""
-        r, st = self.recipe, self.state
-        t0 = time.perf_counter()
-        on_breakdown_step = step == r.logging.memory_breakdown_step
+    def _step(self, step: int, loggers: Loggers | None, console: RunConsole) -> tuple[dict, bool]:
+        """One training step (tracked by category on logging.memory_breakdown_step, and drawn),
+        finished on the device; returns its outputs and whether it was tracked."""
+        on_breakdown_step = step == self.recipe.logging.memory_breakdown_step
         if on_breakdown_step and self._breakdown_blocked:
             console.note(self._breakdown_blocked)
         tracked = on_breakdown_step and self._breakdown_blocked is None
-        out = self._tracked_step(step, loggers) if tracked else self.train_step()
+        out = self._tracked_step(step) if tracked else self.train_step()
+        if tracked and loggers is not None:
+            draw_breakdown(self.state.memory_breakdown, self.recipe, step, loggers)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        return out, tracked
+
+    def _record(self, step, out, dt, tracked, checkpoint_s: float | None, loggers, console) -> None:
+        """Count the step's time for the summary (steady or excluded, and why) and log it."""
+        r, st = self.recipe, self.state
+        why = exclusion(step - self.start_step, r.logging.warmup_steps, tracked, checkpoint_s is not None)
         st.step = step
         st.losses.append(out["loss"])
-        st.tokens_per_sec.append(out["tokens"] / dt)
+        st.times.append(StepTime(step, out["tokens"], dt, why))
         if step % r.logging.log_every == 0 or step == r.train.steps or not out["finite"] or tracked:
             metrics = self._metrics(step, out, dt)
+            if checkpoint_s is not None:
+                metrics["checkpoint_seconds"] = checkpoint_s
             if loggers is not None:
                 loggers.log(metrics)
             console.update(step, metrics)
-        return out
 
-    def _tracked_step(self, step: int, loggers: Loggers | None) -> dict:
+    def _tracked_step(self, step: int) -> dict:
         """A training step under torch's memory tracker: every rank's peak by category,
         logged (max/min over ranks), tabled at the end and drawn as a stacked bar per rank."""
         with tracked_step(self.pmodel.parts, self.optimizers, eager=self.recipe.compile.enabled) as tracker:
@@ -319,24 +320,7 @@ class Trainer:
         )
         self.state.memory_breakdown, self.state.memory_breakdown_step = per_rank, step
         out["memory_breakdown"] = reduced
-        if loggers is not None:
-            fig = save_breakdown(
-                per_rank,
-                self.run_dir / "memory_breakdown.png",
-                f"{self.recipe.run_name}: memory by category at step {step}",
-            )
-            loggers.log_figure("memory_breakdown", fig, step)
-            fig.clf()
         return out
-
-    def _draw_pipeline(self, record: RunRecord, loggers: Loggers) -> None:
-        """The schedule that runs, per rank, as a picture (run folder and W&B) and a bubble figure."""
-        title = f"{self.recipe.pp.schedule}, {self.recipe.pp.microbatches} microbatches"
-        fig, record.info["pp_bubble_fraction"] = save_pipeline(
-            self.schedule, title, self.run_dir / "pp_schedule.png"
-        )
-        loggers.log_figure("pp_schedule", fig, self.start_step)
-        fig.clf()
 
     def _report_oom(self, error: BaseException, step: int) -> dict:
         """Which rank, what phase, the estimate, and (CUDA) the allocator's snapshot, written

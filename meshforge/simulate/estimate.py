@@ -29,7 +29,7 @@ from meshforge.configs import Recipe, RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
-from meshforge.parallelisms.fsdp import DTYPES
+from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.recipe import load_recipe
@@ -47,9 +47,10 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
             part.to_empty(device="cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
             part.init_buffers(torch.device("cpu"))
             part.train()
-        # foreach=False: foreach AdamW's batched temporaries would be counted all at once under fake tensors
+        # for-loop: foreach AdamW's batched temporaries would be counted all at once under fake tensors
         optimizers = [
-            build_optimizer(part.parameters(), recipe.optimizer, foreach=False) for part in pmodel.parts
+            build_optimizer(part.parameters(), recipe.optimizer, implementation="for-loop")
+            for part in pmodel.parts
         ]
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
@@ -94,7 +95,7 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
     mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
     sp = dims.tp_enabled and r.tp.sequence_parallel
     boundary = (mb, r.train.seq_len // dims.tp if sp else r.train.seq_len, args.dim)  # what a stage sends
-    act_dtype = DTYPES[r.fsdp.param_dtype] if dims.fsdp_enabled else torch.float32
+    act_dtype = DTYPES[r.fsdp.param_dtype] if fsdp_applies(dims, r.fsdp) else torch.float32
     parts = dict(zip(pmodel.stage_ids, pmodel.parts))
     live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
     for stage, kind, m in actions:

@@ -1,0 +1,165 @@
+"""The CUDA path on one GPU, as a user runs it: the default recipe on `cuda` (with its memory
+metrics checked), then a one-GPU llm_1b in bf16, eager and compiled, and once with
+`fsdp.cpu_offload`, each beside `meshforge estimate` of the same recipe.
+
+    bash benchmarks/gpu_check.sh                    # writes benchmarks/results/gpu_check.{json,md}
+    python benchmarks/gpu_check.py --steps 30 --out /tmp/gpu
+
+A failed check (an unexpected memory metric, a failed run) exits non-zero after the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from recorded import provenance, save  # benchmarks/recorded.py
+
+from meshforge.core.units import GiB
+from meshforge.run.memory import PEAK
+from meshforge.simulate.estimate import estimate_rows
+
+REPO = Path(__file__).resolve().parents[1]
+ONE_GPU = ["train.device=cuda", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
+QUIET = ["logging.wandb=false", "logging.progress=false"]
+LLM_1B_ONE_GPU = [*ONE_GPU, "activation_checkpoint.mode=none", "logging.log_every=5"]
+
+# name: (recipe, overrides, steps scale): the runs this check makes, in order
+RUNS: dict[str, tuple[str, list[str], float]] = {
+    "default_recipe_cuda": ("debug_cpu", [*ONE_GPU, "checkpoint.enabled=true", "checkpoint.interval=10"], 1),
+    "llm_1b_bf16_compile": (
+        "llm_1b",
+        [*LLM_1B_ONE_GPU, "compile.enabled=true", "logging.memory_history=false"],
+        1,
+    ),
+    "llm_1b_bf16_eager": ("llm_1b", [*LLM_1B_ONE_GPU, "logging.memory_history=false"], 1),
+    "llm_1b_bf16_eager_memory_history": ("llm_1b", LLM_1B_ONE_GPU, 1),
+    "llm_1b_bf16_cpu_offload": ("llm_1b", [*LLM_1B_ONE_GPU, "fsdp.cpu_offload=true"], 0.34),
+    "llm_1b_recipe_ac_full_compile": (
+        "llm_1b",
+        [*ONE_GPU, "compile.enabled=true", "logging.memory_history=false", "logging.log_every=5"],
+        1,
+    ),
+}
+
+
+def run(name: str, recipe: str, overrides: list[str], steps: int, out: Path, timeout: float = 300) -> dict:
+    """One `run_recipe` as a user starts it; its summary and memory records."""
+    args = [
+        sys.executable,
+        "-m",
+        "meshforge.cli",
+        str(REPO / "recipes" / f"{recipe}.toml"),
+        *overrides,
+        *QUIET,
+    ]
+    args += [f"train.steps={steps}", f"output_dir={out}", f"run_name={name}"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        proc = subprocess.CompletedProcess(
+            args, -1, "", f"{(e.stderr or b'')[-2000:]!r}\ntimed out after {timeout} s"
+        )
+    wall = time.perf_counter() - t0
+    run_dir = out / name
+    result: dict = {"recipe": recipe, "overrides": overrides, "steps": steps, "wall_s": round(wall, 1)}
+    if proc.returncode != 0:
+        result["error"] = (proc.stderr or proc.stdout)[-3000:]
+        return result
+    info = json.loads((run_dir / "run.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    result.update(summary={k: v for k, v in info["summary"].items() if k not in ("memory_breakdown",)})
+    result["last_memory"] = {k: v for k, v in rows[-1].items() if k.startswith("memory")}
+    result["estimate_gib"] = estimate_gib(recipe, overrides)
+    return result
+
+
+@functools.cache
+def _estimate(recipe: str, overrides: tuple[str, ...]) -> float:
+    return (
+        estimate_rows(str(REPO / "recipes" / f"{recipe}.toml"), list(overrides), 1, False)[0]["total"] / GiB
+    )
+
+
+def estimate_gib(recipe: str, overrides: list[str]) -> float:
+    """`meshforge estimate` of the run (compile and logging do not change it: traced once)."""
+    return _estimate(recipe, tuple(o for o in overrides if not o.startswith(("compile.", "logging."))))
+
+
+def memory_problems(result: dict) -> list[str]:
+    """CUDA memory metrics that are missing, zero, or not ordered as the allocator's are."""
+    mem, total = result.get("last_memory", {}), torch.cuda.get_device_properties(0).total_memory / GiB
+    peak = mem.get(f"memory/{PEAK['cuda']}")
+    problems = []
+    if not peak or not 0 < peak <= total:
+        problems.append(f"memory/{PEAK['cuda']} = {peak} (want 0 < peak <= {total:.0f} GiB)")
+    for key, value in mem.items():
+        if key.startswith("memory/") and key.endswith("_gib") and not 0 <= value <= total:
+            problems.append(f"{key} = {value} outside [0, {total:.0f}] GiB")
+    reserved, active = mem.get("memory/max_reserved_gib"), peak
+    if reserved is not None and active is not None and reserved < active:
+        problems.append(f"reserved {reserved} < active {active} GiB")
+    return problems
+
+
+def table(results: dict[str, dict]) -> list[str]:
+    lines = [
+        "| run | tokens/s | MFU | TFLOP/s | peak GiB (measured) | estimate GiB | wall s | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        s = r.get("summary", {})
+        note = (
+            r.get("error", "").strip().splitlines()[-1][:120]
+            if "error" in r
+            else "; ".join(r.get("problems", []))
+        )
+        mfu = f"{s['mfu']:.1%}" if "mfu" in s else "-"
+        lines.append(
+            f"| {name} | {s.get('tokens_per_sec', 0):,.0f} | {mfu} | {s.get('tflops_per_device', 0):.1f} "
+            f"| {s.get('peak_memory_gib', 0):.2f} | {r.get('estimate_gib', 0):.2f} | {r['wall_s']} | {note} |"
+        )
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="steps of each run (the offload run takes a third)")
+    p.add_argument(
+        "--out", default=str(REPO / "benchmarks" / "results"), help="folder for gpu_check.{json,md}"
+    )
+    p.add_argument("--runs-dir", default="/tmp/meshforge_gpu_check", help="folder for the run records")
+    p.add_argument("--only", default=None, help="comma-separated run names")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check", file=sys.stderr)
+        return 2
+    names = a.only.split(",") if a.only else list(RUNS)
+    results = {}
+    for name in names:
+        recipe, overrides, scale = RUNS[name]
+        results[name] = run(name, recipe, overrides, max(6, int(a.steps * scale)), Path(a.runs_dir))
+        results[name]["problems"] = memory_problems(results[name]) if "error" not in results[name] else []
+        print(table({name: results[name]})[-1], flush=True)
+    machine = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+    md = [f"# GPU check ({machine['gpu']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})", ""]
+    md += table(results)
+    md += [
+        "",
+        "tokens/s and MFU: steady steps (warm-up and checkpoint steps left out); MFU of bf16 dense peak.",
+    ]
+    save(Path(a.out), "gpu_check", {**provenance(**machine), "runs": results}, md)
+    print("\n".join(md))
+    failed = [n for n, r in results.items() if "error" in r or r["problems"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
