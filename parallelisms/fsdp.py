@@ -27,8 +27,10 @@ def fsdp_applies(dims: ParallelDims, cfg: FSDPConfig) -> bool:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
-    # pinned host memory needs an accelerator; pinning on a CPU-only machine crashes
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    # pinned host memory speeds copies to an accelerator only; it needs one (and fake tensors,
+    # which the estimator traces on a CPU mesh, cannot pin)
+    pin = dp_mesh.device_type == "cuda"
+    offload = CPUOffloadPolicy(pin_memory=pin) if cfg.cpu_offload else OffloadPolicy()
     kw = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kw)

@@ -76,6 +76,26 @@ def test_run_json_records_recipe_versions_and_status(trained):
     assert info["summary"]["final_loss"] == read_metrics(trained[0])[-1]["loss"]
 
 
+def test_summary_throughput_is_tokens_over_time_of_the_steady_steps(trained):
+    """The summary's tokens/s is total tokens / total time over the steps it counts (every
+    step is logged here, so the rows recompute it); warm-up and the memory-tracking step are
+    named, not averaged in; the terminal says which steps it covers."""
+    from meshforge.run.record import steady_throughput, step_times_of_rows
+
+    run_dir, proc = trained
+    rows, summary = read_metrics(run_dir), json.loads((run_dir / "run.json").read_text())["summary"]
+    assert summary["throughput_steps"] == {"counted": 148, "excluded": {"warmup": [1, 2]}}
+    counted = rows[2:]
+    tokens = sum(r["tokens_per_sec"] * r["step_time"] for r in counted)
+    assert summary["tokens_per_sec"] == pytest.approx(tokens / sum(r["step_time"] for r in counted), rel=1e-6)
+    assert steady_throughput(step_times_of_rows(rows, 2))["tokens_per_sec"] == pytest.approx(
+        summary["tokens_per_sec"], rel=1e-6
+    )
+    mean_of_rates = sum(r["tokens_per_sec"] for r in counted) / len(counted)
+    assert summary["tokens_per_sec"] <= mean_of_rates  # the old average of rates overstated it
+    assert "over 148 steps (left out: warmup 1, 2)" in proc.stdout
+
+
 def test_tensorboard_events_read_back(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

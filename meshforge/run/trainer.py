@@ -245,14 +245,18 @@ class Trainer:
                 step_end = time.perf_counter()
                 for step in range(self.start_step + 1, r.train.steps + 1):
                     out, tracked = self._step(step, loggers, console)
+                    if not out["finite"]:  # logged first: the budget may end the run here, unsaved
+                        self._record(
+                            step, out, time.perf_counter() - step_end, tracked, None, loggers, console
+                        )
+                        console.note(budget.spend(step, out))
                     saved_s = self.checkpointer.maybe_save(
                         step, step == r.train.steps, out["stop"], lambda: self._checkpoint_meta(step, run_id)
                     )
                     now = time.perf_counter()  # the step's time runs from the last one's end to here
-                    self._record(step, out, now - step_end, tracked, saved_s, loggers, console)
+                    if out["finite"]:
+                        self._record(step, out, now - step_end, tracked, saved_s, loggers, console)
                     step_end = now
-                    if not out["finite"]:
-                        console.note(budget.spend(step, out))
                     if out["stop"]:
                         status = "preempted"
                         resume = "; checkpoint saved, resume with checkpoint.load=latest"
