@@ -7,6 +7,7 @@
     parallel) and PP 2 (1F1B), fp32 and bf16, with the fraction of this CPU's measured matmul
     rate each reaches; beside it TorchTitan's own trainer on the same layout through the CPU
     shim (`--titan-shim`, default ../shared/titan_cpu), when it is there.
+(c) what a checkpoint step costs beyond a steady step, synchronous and `async_save`.
 
 Same dims on both sides (TorchTitan's llama3 debugmodel: dim 256, 6 layers, 16 heads, FFN
 768, vocab 2048, untied), seq 256, 4 samples per rank, no activation checkpointing, no compile,
@@ -128,9 +129,9 @@ def steady_rate(tps: list[float], warmup: int) -> float:
     return len(steady) / sum(1 / t for t in steady)
 
 
-def run_ours(layout: str, dtype: str, steps: int, warmup: int, out: Path) -> dict:
+def run_ours(layout: str, dtype: str, steps: int, warmup: int, out: Path, extra: tuple = ()) -> dict:
     nproc, mesh, _ = LAYOUTS[layout]
-    name = f"{layout}_{dtype}"
+    name = "_".join([layout, dtype, *(e.replace(".", "-").replace("=", "-") for e in extra)])
     args = [
         str(REPO / "recipes" / "debug_cpu.toml"),
         "mesh.dp_replicate=1",
@@ -151,6 +152,8 @@ def run_ours(layout: str, dtype: str, steps: int, warmup: int, out: Path) -> dic
         "logging.tensorboard=false",
         "logging.progress=false",
         f"logging.warmup_steps={warmup}",
+        "logging.memory_breakdown_step=0",  # TorchTitan tracks no step by category
+        *extra,
         f"output_dir={out}",
         f"run_name={name}",
     ]
@@ -233,6 +236,7 @@ def main() -> int:
     p.add_argument("--model-rounds", type=int, default=5, help="(a): alternating rounds of each model")
     p.add_argument("--titan-shim", default=str(REPO.parent / "shared" / "titan_cpu"))
     p.add_argument("--no-titan", action="store_true", help="(b) without TorchTitan's trainer")
+    p.add_argument("--no-checkpoints", action="store_true", help="skip (c), the checkpoint-step cost")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     a = p.parse_args()
 
@@ -260,6 +264,13 @@ def main() -> int:
                 rows.append(row)
                 print(_line(row), flush=True)
 
+    checkpoints = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in () if a.no_checkpoints else ("false", "true"):
+            extra = ("checkpoint.enabled=true", "checkpoint.interval=5", f"checkpoint.async_save={mode}")
+            run = run_ours("fsdp2", "float32", a.steps, a.warmup, Path(tmp), extra)
+            checkpoints["async" if mode == "true" else "sync"] = run.get("checkpoint_step_overhead_s")
+    print(f"(c) checkpoint step overhead (s), fsdp2: {checkpoints}", flush=True)
     md = [
         f"# meshforge vs TorchTitan 0.3.0 ({os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')})",
@@ -274,7 +285,18 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
         *(_line(r) for r in rows),
     ]
-    save(Path(a.out), "vs_torchtitan", {**provenance(), "model_level": model, "end_to_end": rows}, md)
+    md += [
+        "",
+        "(c) what a checkpoint step costs beyond a steady step (fsdp2, fp32, every 5 steps): "
+        + ", ".join(f"{k} {v:.3f} s" if v is not None else f"{k} -" for k, v in checkpoints.items()),
+    ]
+    result = {
+        **provenance(),
+        "model_level": model,
+        "end_to_end": rows,
+        "checkpoint_step_overhead_s": checkpoints,
+    }
+    save(Path(a.out), "vs_torchtitan", result, md)
     print("\n".join(md))
     return 0
 

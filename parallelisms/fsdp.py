@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from meshforge.configs.schema import FSDPConfig
 from meshforge.core.topology import ParallelDims
@@ -39,4 +45,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:
         fully_shard(model.tok_embeddings, reshard_after_forward=cfg.reshard_after_forward, **kw)
     if model.output is not None and not tied:
         fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
-    fully_shard(model, reshard_after_forward=False, **kw)  # root: whatever is left (tied weights)
+    root = fully_shard(model, reshard_after_forward=False, **kw)  # root: whatever is left (tied weights)
+    # gradients are summed, not averaged: the loss is already divided by the global token
+    # count (run/trainer.py), and on gloo (no AVG) averaging would cost two passes of division
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

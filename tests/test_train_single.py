@@ -175,3 +175,24 @@ def test_a_second_run_of_the_same_name_keeps_the_first(tmp_path):
     runs = sorted(p.name for p in tmp_path.iterdir())
     assert len(runs) == 2 and runs[0] == "twice"
     assert all(len(read_metrics(tmp_path / r)) == 2 for r in runs)
+
+
+def test_cpu_offload_on_one_process_wraps_the_model_in_fsdp(tmp_path):
+    """fsdp.cpu_offload on one process is FSDP2 on a 1-rank mesh (as TorchTitan does), not
+    silently nothing: the parameters are sharded DTensors on the CPU, the model an FSDPModule."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from meshforge.recipe import load_recipe
+    from meshforge.run.trainer import Trainer
+
+    overrides = [*SINGLE, "fsdp.cpu_offload=true", f"output_dir={tmp_path}", "logging.wandb=false"]
+    trainer = Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))
+    try:
+        assert isinstance(trainer.pmodel.parts[0], FSDPModule) and dist.get_world_size() == 1
+        assert all(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in trainer.params)
+        assert trainer.optimizers[0].defaults["fused"]
+    finally:
+        trainer.loader.close()
+        dist.destroy_process_group()

@@ -190,8 +190,8 @@ class Trainer:
         )
         if self.dims.dp > 1:
             dist.all_reduce(n_tokens, group=self.meshes.dp.get_group())
-        # FSDP averages gradients over dp ranks; multiplying by dp turns that into a sum
-        ce_total = self.forward_backward(batches, self.dims.dp / n_tokens)
+        # FSDP sums gradients over dp ranks (parallelisms/fsdp.py): each rank's CE sum / N
+        ce_total = self.forward_backward(batches, 1.0 / n_tokens)
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
         grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group))
         # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
