@@ -227,6 +227,35 @@ def run_titan(layout: str, dtype: str, steps: int, warmup: int, work: Path, port
     return {"tokens_per_sec_per_device": steady_rate(tps, warmup), "steps_logged": len(tps)}
 
 
+def _median_row(repeats: list[dict], flops: float) -> dict:
+    """Each side's median tokens/s per device over the repeats, and their ratio (the median of
+    the per-repeat ratios, each taken from two runs made back to back)."""
+    out: dict = {}
+    for side in ("meshforge", "torchtitan"):
+        runs = [r[side] for r in repeats if r[side] is not None]
+        good = [r for r in runs if "error" not in r]
+        if not runs:
+            continue
+        if not good:
+            out[side] = runs[0]
+            continue
+        out[side] = {
+            "tokens_per_sec_per_device": statistics.median(r["tokens_per_sec_per_device"] for r in good)
+        }
+    peak = next((r["meshforge"]["peak_flops"] for r in repeats if r["meshforge"].get("peak_flops")), None)
+    for side in out.values():
+        if "tokens_per_sec_per_device" in side and peak:
+            side["matmul_fraction"] = side["tokens_per_sec_per_device"] * flops / peak
+    ratios = [
+        r["meshforge"]["tokens_per_sec_per_device"] / r["torchtitan"]["tokens_per_sec_per_device"]
+        for r in repeats
+        if r["torchtitan"] and "error" not in r["torchtitan"] and "error" not in r["meshforge"]
+    ]
+    if ratios:
+        out["ratio"], out["ratios"] = statistics.median(ratios), ratios
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30)
@@ -234,6 +263,7 @@ def main() -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--model-rounds", type=int, default=5, help="(a): alternating rounds of each model")
+    p.add_argument("--repeats", type=int, default=2, help="(b): runs of each side per layout (median)")
     p.add_argument("--titan-shim", default=str(REPO.parent / "shared" / "titan_cpu"))
     p.add_argument("--no-titan", action="store_true", help="(b) without TorchTitan's trainer")
     p.add_argument("--no-checkpoints", action="store_true", help="skip (c), the checkpoint-step cost")
@@ -249,18 +279,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for layout in a.layouts.split(","):
             for dtype in a.dtypes.split(","):
-                ours = run_ours(layout, dtype, a.steps, a.warmup, Path(tmp))
-                row = {"layout": layout, "dtype": dtype, "meshforge": ours}
-                if work is not None:
+                row = {"layout": layout, "dtype": dtype, "repeats": []}
+                for _ in range(a.repeats):  # the two sides back to back, so the machine's drift hits both
+                    ours = run_ours(layout, dtype, a.steps, a.warmup, Path(tmp))
                     port += 1
-                    titan = run_titan(layout, dtype, a.steps, a.warmup, work, port)
-                    if "error" not in titan and ours.get("peak_flops"):
-                        titan["matmul_fraction"] = (
-                            titan["tokens_per_sec_per_device"] * flops / ours["peak_flops"]
-                        )
-                    row["torchtitan"] = titan
-                    if "error" not in titan and "error" not in ours:
-                        row["ratio"] = ours["tokens_per_sec_per_device"] / titan["tokens_per_sec_per_device"]
+                    titan = run_titan(layout, dtype, a.steps, a.warmup, work, port) if work else None
+                    row["repeats"].append({"meshforge": ours, "torchtitan": titan})
+                row.update(_median_row(row["repeats"], flops))
                 rows.append(row)
                 print(_line(row), flush=True)
 
@@ -280,6 +305,8 @@ def main() -> int:
         "",
         f"(b) end to end, tokens/s per device over steps {a.warmup + 1}-{a.steps} (tokens over time), "
         f"fraction of this CPU's measured 1-thread fp32 matmul rate:",
+        "",
+        f"(median of {a.repeats} runs a side; ratio: the median of the ratios of runs made back to back)",
         "",
         "| layout | dtype | meshforge tok/s/dev | matmul frac | TorchTitan tok/s/dev | matmul frac | ratio |",
         "|---|---|---|---|---|---|---|",
