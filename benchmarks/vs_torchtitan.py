@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.models.llama import LlamaArgs, Transformer
-from meshforge.run.flops import flops_per_token
+from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
 from meshforge.run.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,7 +167,6 @@ def run_ours(layout: str, dtype: str, steps: int, warmup: int, out: Path, extra:
     return {
         "tokens_per_sec_per_device": summary["tokens_per_sec_per_device"],
         "matmul_fraction": summary.get("mfu"),
-        "peak_flops": summary.get("peak_tflops_per_device", 0) * 1e12,
         "throughput_steps": summary["throughput_steps"],
         "checkpoint_step_overhead_s": summary.get("checkpoint_step_overhead_s"),
     }
@@ -227,7 +226,7 @@ def run_titan(layout: str, dtype: str, steps: int, warmup: int, work: Path, port
     return {"tokens_per_sec_per_device": steady_rate(tps, warmup), "steps_logged": len(tps)}
 
 
-def _median_row(repeats: list[dict], flops: float) -> dict:
+def _median_row(repeats: list[dict]) -> dict:
     """Each side's median tokens/s per device over the repeats, and their ratio (the median of
     the per-repeat ratios, each taken from two runs made back to back)."""
     out: dict = {}
@@ -242,10 +241,6 @@ def _median_row(repeats: list[dict], flops: float) -> dict:
         out[side] = {
             "tokens_per_sec_per_device": statistics.median(r["tokens_per_sec_per_device"] for r in good)
         }
-    peak = next((r["meshforge"]["peak_flops"] for r in repeats if r["meshforge"].get("peak_flops")), None)
-    for side in out.values():
-        if "tokens_per_sec_per_device" in side and peak:
-            side["matmul_fraction"] = side["tokens_per_sec_per_device"] * flops / peak
     ratios = [
         r["meshforge"]["tokens_per_sec_per_device"] / r["torchtitan"]["tokens_per_sec_per_device"]
         for r in repeats
@@ -285,9 +280,10 @@ def main() -> int:
                     port += 1
                     titan = run_titan(layout, dtype, a.steps, a.warmup, work, port) if work else None
                     row["repeats"].append({"meshforge": ours, "torchtitan": titan})
-                row.update(_median_row(row["repeats"], flops))
+                row.update(_median_row(row["repeats"]))
                 rows.append(row)
                 print(_line(row), flush=True)
+    peaks = add_matmul_fractions(rows, flops)
 
     checkpoints = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -296,17 +292,48 @@ def main() -> int:
             run = run_ours("fsdp2", "float32", a.steps, a.warmup, Path(tmp), extra)
             checkpoints["async" if mode == "true" else "sync"] = run.get("checkpoint_step_overhead_s")
     print(f"(c) checkpoint step overhead (s), fsdp2: {checkpoints}", flush=True)
+    result = {
+        **provenance(),
+        "model_level": model,
+        "end_to_end": rows,
+        "matmul_peak_flops": peaks,
+        "checkpoint_step_overhead_s": checkpoints,
+        "settings": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats},
+    }
+    md = render(result)
+    save(Path(a.out), "vs_torchtitan", result, md)
+    print("\n".join(md))
+    return 0
+
+
+def add_matmul_fractions(rows: list[dict], flops: float) -> dict[str, float]:
+    """Each side's achieved FLOP/s as a fraction of this CPU's one-thread matmul rate in the
+    row's compute dtype (measured here, after the runs; bf16 has its own rate)."""
+    torch.set_num_threads(1)
+    peaks = {d: measure_cpu_matmul_flops(dtype=getattr(torch, d)) for d in {r["dtype"] for r in rows}}
+    for row in rows:
+        for side in ("meshforge", "torchtitan"):
+            if row.get(side) and "tokens_per_sec_per_device" in row[side]:
+                row[side]["matmul_fraction"] = (
+                    row[side]["tokens_per_sec_per_device"] * flops / peaks[row["dtype"]]
+                )
+    return peaks
+
+
+def render(result: dict) -> list[str]:
+    model, rows, s = result["model_level"], result["end_to_end"], result["settings"]
+    peaks = ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in result["matmul_peak_flops"].items())
+    checkpoints = result["checkpoint_step_overhead_s"]
     md = [
-        f"# meshforge vs TorchTitan 0.3.0 ({os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d')})",
+        f"# meshforge vs TorchTitan 0.3.0 ({result['machine']['cpus']} CPUs, "
+        f"torch {result['versions']['torch']}, {result['date']})",
         "",
         f"(a) model class in the same loop (median of {model['steps_timed']['meshforge']} steps each): "
         f"TorchTitan step / meshforge step = **{model['ratio']:.3f}**",
         "",
-        f"(b) end to end, tokens/s per device over steps {a.warmup + 1}-{a.steps} (tokens over time), "
-        f"fraction of this CPU's measured 1-thread fp32 matmul rate:",
-        "",
-        f"(median of {a.repeats} runs a side; ratio: the median of the ratios of runs made back to back)",
+        f"(b) end to end, tokens/s per device over steps {s['warmup'] + 1}-{s['steps']} (tokens over time), "
+        f"and the fraction of this CPU's one-thread matmul rate in the run's dtype ({peaks}); "
+        f"median of {s['repeats']} runs a side; ratio: the median of the ratios of runs made back to back:",
         "",
         "| layout | dtype | meshforge tok/s/dev | matmul frac | TorchTitan tok/s/dev | matmul frac | ratio |",
         "|---|---|---|---|---|---|---|",
@@ -317,15 +344,7 @@ def main() -> int:
         "(c) what a checkpoint step costs beyond a steady step (fsdp2, fp32, every 5 steps): "
         + ", ".join(f"{k} {v:.3f} s" if v is not None else f"{k} -" for k, v in checkpoints.items()),
     ]
-    result = {
-        **provenance(),
-        "model_level": model,
-        "end_to_end": rows,
-        "checkpoint_step_overhead_s": checkpoints,
-    }
-    save(Path(a.out), "vs_torchtitan", result, md)
-    print("\n".join(md))
-    return 0
+    return md
 
 
 def _line(row: dict) -> str:

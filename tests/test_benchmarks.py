@@ -11,23 +11,21 @@ import pytest
 from conftest import REPO, cli_env
 
 
-def test_runner_overhead_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "runner_overhead.py"),
-            "--rounds",
-            "1",
-            "--steps",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
+def run_benchmark(script: str, args: list[str], cwd, timeout: int) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT ARGS` as a user runs it, from `cwd`."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        cwd=cwd,
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+    )
+
+
+def test_runner_overhead_benchmark_writes_its_results(tmp_path):
+    proc = run_benchmark(
+        "runner_overhead.py", ["--rounds", "1", "--steps", "2", "--out", str(tmp_path)], tmp_path, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "runner_overhead.json").read_text())
@@ -59,13 +57,10 @@ def test_vs_torchtitan_benchmark_writes_its_results(tmp_path):
     one end-to-end layout; TorchTitan's trainer is left out here (the shim is outside the repo)."""
     pytest.importorskip("torchtitan", reason="the titan extra (installed by .[all], as CI does)")
     args = ["--steps", "4", "--warmup", "1", "--layouts", "1proc", "--dtypes", "float32", "--repeats", "1"]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "vs_torchtitan.py"), *args, "--model-rounds", "1"]
-        + ["--no-titan", "--no-checkpoints", "--out", str(tmp_path)],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "vs_torchtitan.py",
+        [*args, "--model-rounds", "1", "--no-titan", "--no-checkpoints", "--out", str(tmp_path)],
+        tmp_path,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -79,34 +74,15 @@ def test_vs_torchtitan_benchmark_writes_its_results(tmp_path):
 
 
 def test_gpu_check_says_so_on_a_machine_without_cuda(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_benchmark("gpu_check.py", ["--out", str(tmp_path)], tmp_path, timeout=120)
     assert proc.returncode == 2 and "no CUDA device here" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
 
 
 @pytest.mark.slow
 def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "fsdp_memory_scaling.py"),
-            "--degrees",
-            "1",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_benchmark(
+        "fsdp_memory_scaling.py", ["--degrees", "1", "2", "--out", str(tmp_path)], tmp_path, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "fsdp_memory_scaling.json").read_text())
@@ -118,20 +94,8 @@ def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
 
 @pytest.mark.slow
 def test_estimator_accuracy_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "estimator_accuracy.py"),
-            "--worlds",
-            "1",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_benchmark(
+        "estimator_accuracy.py", ["--worlds", "1", "--out", str(tmp_path)], tmp_path, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "estimator_accuracy.json").read_text())
@@ -144,23 +108,10 @@ def test_estimator_accuracy_benchmark_writes_its_results(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "pipeline_bubble.py"),
-            "--schedules",
-            "GPipe",
-            "--steps",
-            "3",
-            "--out",
-            str(tmp_path),
-            "model.dim=64",
-            "model.n_heads=4",
-        ],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "pipeline_bubble.py",
+        ["--schedules", "GPipe", "--steps", "3", "--out", str(tmp_path), "model.dim=64", "model.n_heads=4"],
+        tmp_path,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
