@@ -177,7 +177,7 @@ def plot_throughput(runs: list[Run]):
     fig, ax = plt.subplots(figsize=(8, 5))
     names = [r.name for r in runs]
     ax.bar(names, [r.throughput()["tokens_per_sec"] or 0 for r in runs])
-    ax.set_ylabel("tokens/s (all ranks, after step 1)")
+    ax.set_ylabel("tokens/s (all ranks, steady steps)")
     ax.set_title("throughput")
     ax.tick_params(axis="x", rotation=45, labelsize="small")
     fig.tight_layout()
