@@ -86,3 +86,29 @@ def test_fused_and_for_loop_adamw_take_the_same_step():
             p.grad = torch.full_like(p, 0.1 * (i + 1))
             opt.step()
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_dtensors_mixed_with_plain_parameters_fall_back_from_fused(caplog):
+    """TP without sequence parallel leaves the norms as plain tensors beside DTensor weights:
+    one fused (or foreach) call cannot take both, so AdamW runs its per-tensor loop."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [
+            torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])),
+            torch.nn.Parameter(torch.randn(4)),
+        ]
+        with caplog.at_level("WARNING"):
+            opt = build_optimizer(params, OptimizerConfig())
+        assert not opt.defaults["fused"] and opt.defaults["foreach"] is False
+        assert "DTensor and plain parameters mixed" in caplog.text
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()  # the step the fused kernel refused
+        assert fused_unavailable(params[:1]) is None
+    finally:
+        dist.destroy_process_group()

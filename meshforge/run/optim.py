@@ -6,6 +6,7 @@ import logging
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
@@ -15,8 +16,10 @@ log = logging.getLogger(__name__)
 
 def fused_unavailable(params: list[torch.Tensor]) -> str | None:
     """Why torch's fused AdamW cannot take these parameters (None: it can). DTensors are
-    fine: the fused kernel runs on their local shards."""
+    fine (the kernel runs on their local shards), but not mixed with plain tensors in one call."""
     supported = _get_fused_kernels_supported_devices()
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        return "DTensor and plain parameters mixed (e.g. TP without sequence parallel leaves the norms plain)"
     for p in params:
         if p.device.type not in supported:
             return f"no fused AdamW kernel for {p.device.type} tensors (torch has one for {supported})"
@@ -27,12 +30,13 @@ def fused_unavailable(params: list[torch.Tensor]) -> str | None:
 
 def build_optimizer(params, cfg: OptimizerConfig, implementation: str | None = None) -> torch.optim.Optimizer:
     """AdamW as the recipe asks: `fused` (TorchTitan's default: one kernel per step, on CPU
-    as on CUDA), falling back to `foreach`, with the reason logged, where it cannot run."""
+    as on CUDA), falling back, with the reason logged, where it cannot run."""
     params = list(params)
     impl = implementation or cfg.implementation
     if impl == "fused" and (why := fused_unavailable(params)):
-        log.warning("optimizer.implementation = fused: %s; using foreach", why)
-        impl = "foreach"
+        # foreach cannot mix DTensors and plain tensors in one list either
+        impl = "for-loop" if why.startswith("DTensor and plain") else "foreach"
+        log.warning("optimizer.implementation = fused: %s; using %s", why, impl)
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
