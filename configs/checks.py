@@ -190,7 +190,7 @@ def check_backend(r: Recipe) -> list[Problem]:
 
 
 def check_ranges(r: Recipe) -> list[Problem]:
-    o, t, s, lg = r.optimizer, r.train, r.lr_scheduler, r.logging
+    o, t, s, lg, ls = r.optimizer, r.train, r.lr_scheduler, r.logging, r.loss_scale
     checks = [
         ("optimizer.lr", o.lr, o.lr > 0, "must be > 0, e.g. 3e-4"),
         ("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
@@ -232,6 +232,16 @@ def check_ranges(r: Recipe) -> list[Problem]:
             "must be >= 0 (0 keeps all)",
         ),
         ("pp.stages_per_rank", r.pp.stages_per_rank, r.pp.stages_per_rank >= 1, "must be >= 1"),
+        ("loss_scale.initial", ls.initial, ls.initial > 0, "must be > 0, e.g. 65536"),
+        ("loss_scale.growth_interval", ls.growth_interval, ls.growth_interval >= 1, "must be >= 1"),
+        ("loss_scale.growth_factor", ls.growth_factor, ls.growth_factor >= 1, "must be >= 1, e.g. 2"),
+        ("loss_scale.backoff_factor", ls.backoff_factor, 0 < ls.backoff_factor < 1, "must be in (0, 1)"),
+        (
+            "loss_scale.min_scale",
+            ls.min_scale,
+            0 < ls.min_scale <= ls.initial,
+            f"must be in (0, loss_scale.initial={ls.initial}], e.g. 1",
+        ),
     ]
     return [Problem(name, value, fix) for name, value, ok, fix in checks if not ok]
 

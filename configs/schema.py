@@ -62,9 +62,27 @@ class FSDPConfig:
     reshard_after_forward: bool = F(
         True, "free gathered params after forward (saves memory, costs a 2nd all-gather)"
     )
-    param_dtype: str = F("float32", "dtype of compute params: float32 | bfloat16 (autocast when FSDP is off)")
-    reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16")
+    param_dtype: str = F(
+        "float32",
+        "dtype of compute params: float32 | bfloat16 | float16 (with a loss scale, [loss_scale]); "
+        "autocast when FSDP is off",
+    )
+    reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16 | float16")
     cpu_offload: bool = F(False, "keep sharded params, grads and optimizer state on the CPU")
+
+
+@dataclass
+class LossScaleConfig:
+    dynamic: bool = F(
+        True, "fp16: halve the scale on overflow, grow it after a clean stretch; false = fixed at initial"
+    )
+    initial: float = F(65536.0, "fp16: the loss scale to start from (2**16, as torch's GradScaler)")
+    growth_interval: int = F(2000, "fp16: multiply the scale by growth_factor after this many clean steps")
+    growth_factor: float = F(2.0, "fp16: scale growth after growth_interval clean steps")
+    backoff_factor: float = F(0.5, "fp16: scale multiplier on an overflow (the step is skipped)")
+    min_scale: float = F(
+        1.0, "fp16: an overflow at this scale spends train.max_bad_steps (DeepSpeed's min_loss_scale)"
+    )
 
 
 @dataclass
@@ -212,6 +230,7 @@ class Recipe:
     model: ModelConfig = F(ModelConfig(), "the transformer")
     mesh: MeshConfig = F(MeshConfig(), "the device mesh")
     fsdp: FSDPConfig = F(FSDPConfig(), "FSDP2 policy")
+    loss_scale: LossScaleConfig = F(LossScaleConfig(), "dynamic loss scaling (fsdp.param_dtype=float16)")
     tp: TPConfig = F(TPConfig(), "tensor-parallel policy")
     pp: PPConfig = F(PPConfig(), "pipeline-parallel policy")
     activation_checkpoint: ActivationCheckpointConfig = F(

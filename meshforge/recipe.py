@@ -57,7 +57,7 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
 
 def check_choices(r: Recipe) -> list[Problem]:
     """Choices owned by the registry and the parallelisms: model, flavor, dtypes, schedule."""
-    problems = checks.choice_problems(
+    return checks.choice_problems(
         {
             "fsdp.param_dtype": (r.fsdp.param_dtype, tuple(DTYPES)),
             "fsdp.reduce_dtype": (r.fsdp.reduce_dtype, tuple(DTYPES)),
@@ -65,10 +65,6 @@ def check_choices(r: Recipe) -> list[Problem]:
             "model.name": (r.model.name, tuple(MODELS)),
         }
     )
-    for p in problems:
-        if p.field.startswith("fsdp.") and p.value == "float16":
-            p.message += " (fp16 needs a sharded gradient scaler, not supported yet: use bfloat16)"
-    return problems
 
 
 def resolve_model(r: Recipe) -> tuple[list[Problem], object | None]:
@@ -149,6 +145,15 @@ def check_combinations(r: Recipe) -> list[Problem]:
                 True,
                 f"{r.pp.schedule} with FSDP resharding after forward gives wrong gradients on torch "
                 "2.13; set fsdp.reshard_after_forward=false or use 1F1B/Interleaved1F1B",
+            )
+        )
+    if r.fsdp.reduce_dtype == "float16" and r.fsdp.param_dtype != "float16":
+        problems.append(
+            Problem(
+                "fsdp.reduce_dtype",
+                "float16",
+                f"float16 reductions of unscaled gradients underflow; only fsdp.param_dtype=float16 runs "
+                f"a loss scale (now {r.fsdp.param_dtype}): set reduce_dtype=float32 or param_dtype=float16",
             )
         )
     if r.compile.enabled and r.mesh.tp > 1:

@@ -22,7 +22,8 @@ from torch.distributed.fsdp import (
 from meshforge.configs.schema import FSDPConfig
 from meshforge.core.topology import ParallelDims
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# float16 trains only under a dynamic loss scale (run/loss_scale.py); bfloat16 needs none
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def fsdp_applies(dims: ParallelDims, cfg: FSDPConfig) -> bool:

@@ -178,10 +178,10 @@ def test_microbatches_vs_batch_and_stages(tmp_path):
 def test_enums_list_the_choices(tmp_path):
     p = problems(
         tmp_path,
-        SINGLE + '[pp]\nschedule = "2F2B"\n[fsdp]\nparam_dtype = "float16"\n[model]\nflavor = "tiny"\n',
+        SINGLE + '[pp]\nschedule = "2F2B"\n[fsdp]\nparam_dtype = "float8"\n[model]\nflavor = "tiny"\n',
     )
     assert "1F1B" in p["pp.schedule"] and "DualPipeV" in p["pp.schedule"]
-    assert "use bfloat16" in p["fsdp.param_dtype"]
+    assert "float32, bfloat16, float16" in p["fsdp.param_dtype"]
     assert "debug" in p["model.flavor"]
 
 
@@ -197,6 +197,15 @@ def test_refused_combinations_say_why_and_what_instead(tmp_path):
     assert "tok_embeddings gradient" in p["compile.enabled"]
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[model]\ntie_embeddings = true\n")
     assert "model.tie_embeddings=false" in p["model.tie_embeddings"]
+    p = problems(tmp_path, SINGLE + '[fsdp]\nparam_dtype = "bfloat16"\nreduce_dtype = "float16"\n')
+    assert (
+        "unscaled gradients underflow" in p["fsdp.reduce_dtype"] and "now bfloat16" in p["fsdp.reduce_dtype"]
+    )
+    p = problems(tmp_path, SINGLE + "[loss_scale]\ninitial = 8.0\nmin_scale = 16.0\nbackoff_factor = 2.0\n")
+    assert (
+        "(0, loss_scale.initial=8.0]" in p["loss_scale.min_scale"]
+        and "(0, 1)" in p["loss_scale.backoff_factor"]
+    )
 
 
 def test_no_fix_ends_with_an_empty_list(tmp_path):

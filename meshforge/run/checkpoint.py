@@ -41,6 +41,7 @@ from meshforge.configs.schema import CheckpointConfig, ModelConfig
 from meshforge.core.errors import CheckpointError, CheckpointNotFound
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, get_model_spec
+from meshforge.run.loss_scale import LossScaler
 from meshforge.run.weights import hf_reader_for, load_into
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -215,9 +216,11 @@ class Checkpointer:
         # never interleave with the training step's collectives on the default group
         self._pg = dist.new_group(backend="gloo") if (cfg.async_save and dist.is_initialized()) else None
 
-    def restore(self, parts: list[nn.Module], model_args, loader, schedulers: list) -> dict | None:
-        """Resume from `checkpoint.load` (model, optimizer, data position, LR schedule, on any
-        mesh) and return {path, step, run_id}; else load seed weights (`init_from`, or
+    def restore(
+        self, parts: list[nn.Module], model_args, loader, schedulers: list, scaler: LossScaler
+    ) -> dict | None:
+        """Resume from `checkpoint.load` (model, optimizer, data position, LR schedule, fp16 loss
+        scale, on any mesh) and return {path, step, run_id}; else load seed weights (`init_from`, or
         `init_from_hf` with each rank reading only its shards) and return None."""
         c = self.cfg
         path = resolve_load(c.load, self.folder) if c.load else None
@@ -226,6 +229,8 @@ class Checkpointer:
             loader.load_state_dict({"position": meta["data_position"]})
             for sched in schedulers:
                 sched.load_state_dict(meta["lr_scheduler"])
+            if scaler.enabled and meta.get("loss_scale"):  # an fp32/bf16 checkpoint has none
+                scaler.load_state_dict(meta["loss_scale"])
             return {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}
         if c.init_from:
             self.load(resolve_load(c.init_from, Path(c.init_from)), model_only=True)

@@ -14,17 +14,20 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.distributed import DistEnv
 
 # Dense peak TFLOP/s per device, by (name fragment, compute dtype). MFU is reported only
 # where the device is known; add yours here.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989.0, "float32": 494.5},  # fp32 column: TF32 tensor cores
-    "H100": {"bfloat16": 989.0, "float32": 494.5},  # SXM
-    "A100": {"bfloat16": 312.0, "float32": 156.0},
-    "L40S": {"bfloat16": 362.0, "float32": 183.0},
-    "A10": {"bfloat16": 125.0, "float32": 62.5},
-    "L4": {"bfloat16": 121.0, "float32": 60.0},
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5},  # fp32 column: TF32 tensor cores
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5},  # SXM
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
+    "L40S": {"bfloat16": 362.0, "float16": 362.0, "float32": 183.0},
+    "A10": {"bfloat16": 125.0, "float16": 125.0, "float32": 62.5},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 60.0},
+    "V100": {"float16": 125.0, "float32": 15.7},  # no bf16: the GPUs fp16 + loss scaling is for
+    "T4": {"float16": 65.0, "float32": 8.1},
 }
 
 
@@ -38,7 +41,7 @@ def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
     name = torch.cuda.get_device_name(device)
     for fragment, peaks in GPU_PEAK_TFLOPS.items():
         if fragment in name:
-            return peaks[dtype] * 1e12
+            return peaks[dtype] * 1e12 if dtype in peaks else None
     return None
 
 
@@ -59,8 +62,10 @@ def device_peak_flops(env: DistEnv, param_dtype: str) -> float | None:
     """Per-device peak in the compute dtype: the GPU's datasheet number, or this CPU's measured
     matmul rate (rank 0 measures once; every rank uses its figure)."""
     if env.device.type == "cuda":
-        return gpu_peak_flops(env.device, "bfloat16" if param_dtype == "bfloat16" else "float32")
-    dtype = torch.bfloat16 if param_dtype == "bfloat16" else torch.float32
+        return gpu_peak_flops(env.device, param_dtype)
+    if param_dtype == "float16":
+        return None  # CPUs have no fp16 matmul units (here: 1-3 GFLOP/s vs 70 fp32): no peak to hold to
+    dtype = DTYPES[param_dtype]
     peak = torch.tensor(measure_cpu_matmul_flops(dtype=dtype) if env.is_main else 0.0, dtype=torch.float64)
     if dist.is_initialized():
         dist.broadcast(peak, src=0)

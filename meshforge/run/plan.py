@@ -12,6 +12,7 @@ from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import stage_layout
 from meshforge.run.memory import host_memory_bytes
 
@@ -112,7 +113,7 @@ def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
     ~34 bytes x tokens x dim per layer in 16-bit, /tp), plus the fp32 logits, their
     softmax and gradient (3 x 4 bytes x tokens x vocab / tp) on the last stage."""
     tokens = r.train.micro_batch_size * r.train.seq_len
-    bytes_per_value = 2 if r.fsdp.param_dtype == "bfloat16" else 4
+    bytes_per_value = DTYPES[r.fsdp.param_dtype].itemsize
     per_layer = 17 * bytes_per_value * tokens * args.dim / dims.tp
     layers = args.n_layers / dims.pp
     if r.activation_checkpoint.mode == "full":

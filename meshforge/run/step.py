@@ -65,12 +65,16 @@ class StepPolicy:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.Tensor], max_norm: float, pp_group=None, unscale: float = 1.0
+) -> torch.Tensor:
     """Global L2 norm of all gradients (clipped to max_norm if > 0), correct on every mesh.
 
     Norms are taken per DeviceMesh, since torch refuses to combine DTensors of two
     meshes (FSDP x TP without sequence parallel has both), then summed in squares and,
-    under pipeline parallel, across stages.
+    under pipeline parallel, across stages. Gradients of a loss scaled by S come with
+    `unscale` = 1/S: the norm is reported unscaled and the division rides on the clipping
+    multiply. An inf or nan gradient anywhere makes the norm non-finite on every rank.
     """
     grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict = defaultdict(list)
@@ -84,10 +88,11 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None) -
         total_sq += norm.float() ** 2
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
+    total = total_sq.sqrt() * unscale
+    coef = unscale
     if max_norm > 0:
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+        coef *= min(1.0, max_norm / (float(total) + 1e-6))
+    if coef != 1.0:
+        for g in grads:
+            g.mul_(coef)
     return total

@@ -11,7 +11,6 @@ console what the terminal shows; the loop only steps, logs and asks them.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 import warnings
@@ -36,6 +35,7 @@ from meshforge.run.flops import device_peak_flops, flops_per_token
 from meshforge.run.forward_backward import ForwardBackward
 from meshforge.run.guards import BadStepBudget, StopSignals
 from meshforge.run.loggers import Loggers
+from meshforge.run.loss_scale import LossScaler, overflow_note
 from meshforge.run.memory import (
     dump_oom,
     memory_metrics,
@@ -98,6 +98,7 @@ class Trainer:
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
         self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
         self.schedulers = [build_lr_scheduler(opt, r.train.steps, r.lr_scheduler) for opt in self.optimizers]
+        self.scaler = LossScaler(r.loss_scale, enabled=r.fsdp.param_dtype == "float16")
 
         # data: this rank's dp coordinate decides its slice of every global batch
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
@@ -138,7 +139,7 @@ class Trainer:
         state = ModelState(self.pmodel.parts), OptimizerState(self.pmodel.parts, self.optimizers)
         self.checkpointer = Checkpointer(c, folder, *state, self.env.is_main, need_bytes=12 * self.n_params)
         self.resumed = self.checkpointer.restore(
-            self.pmodel.parts, self.model_args, self.loader, self.schedulers
+            self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler
         )
         self.start_step = self.resumed["step"] if self.resumed else 0
         self.throughput = Throughput(
@@ -173,6 +174,7 @@ class Trainer:
             "step": step,
             "data_position": self.loader.position,
             "lr_scheduler": self.schedulers[0].state_dict(),
+            "loss_scale": self.scaler.state_dict() if self.scaler.enabled else None,
             "run_id": run_id,
             "mesh": self.dims.degrees,
             "recipe": recipe_to_dict(self.recipe),
@@ -190,10 +192,12 @@ class Trainer:
         )
         if self.dims.dp > 1:
             dist.all_reduce(n_tokens, group=self.meshes.dp.get_group())
-        # FSDP sums gradients over dp ranks (parallelisms/fsdp.py): each rank's CE sum / N
-        ce_total = self.forward_backward(batches, 1.0 / n_tokens)
+        # FSDP sums gradients over dp ranks (parallelisms/fsdp.py): each rank's CE sum / N,
+        # times the loss scale (fp16; 1 otherwise), divided out again in the clipping multiply
+        scale = self.scaler.scale
+        ce_total = self.forward_backward(batches, scale / n_tokens)
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
-        grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group))
+        grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group, unscale=1.0 / scale))
         # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
         # request (SIGTERM) rides along in the same all-reduce, so all ranks stop together.
         packed = torch.stack([ce_total, torch.tensor(float(self.stop.requested), device=env.device)])
@@ -203,9 +207,9 @@ class Trainer:
         loss, stop = float(packed[0] / n_tokens), bool(packed[1] > 0)
         lr = self.schedulers[0].get_last_lr()[0]
         # loss and norm are reduced over all ranks, so every rank takes the same branch
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        outcome = self.scaler.judge(loss, grad_norm)
         self.phase = "optimizer"
-        if finite:
+        if outcome == "ok":
             for opt, sched in zip(self.optimizers, self.schedulers):
                 opt.step()
                 sched.step()
@@ -216,8 +220,10 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": int(n_tokens.item()),
-            "finite": finite,
+            "finite": outcome == "ok",
+            "overflow": outcome == "overflow",
             "stop": stop,
+            **self.scaler.metrics(scale),
         }
 
     # --- the run --------------------------------------------------------------------
@@ -249,7 +255,7 @@ class Trainer:
                         self._record(
                             step, out, time.perf_counter() - step_end, tracked, None, loggers, console
                         )
-                        console.note(budget.spend(step, out))
+                        console.note(overflow_note(step, out) if out["overflow"] else budget.spend(step, out))
                     saved_s = self.checkpointer.maybe_save(
                         step, step == r.train.steps, out["stop"], lambda: self._checkpoint_meta(step, run_id)
                     )
@@ -342,6 +348,7 @@ class Trainer:
             "grad_norm": out["grad_norm"],
             "lr": out["lr"],
             **self.throughput.rates(out["tokens"], dt),
+            **{k: out[k] for k in ("loss_scale", "overflow_steps") if k in out},
             **mem,
             **out.get("memory_breakdown", {}),
         }
