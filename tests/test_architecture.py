@@ -21,6 +21,7 @@ LAYERS = [
     "simulate",
     "jax",
     "convert",
+    "migrate",
     "experiments",
     "cli",
 ]

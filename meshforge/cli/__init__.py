@@ -264,6 +264,36 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(p["ok"] for p in results) else 1
 
 
+def cmd_import_config(args: argparse.Namespace) -> int:
+    """Another system's config -> a recipe; what did not carry over is printed and commented."""
+    from meshforge.migrate import ImportRefused, import_config
+
+    try:
+        imported = import_config(
+            Path(args.source), Path(args.out), args.world, args.model, args.base, args.allow_unmapped
+        )
+    except ImportRefused as e:
+        _print_import(e.imported)
+        raise
+    _print_import(imported)
+    console.print(f"recipe: {args.out}  (run it: run_recipe {args.out})", highlight=False)
+    return 0
+
+
+def _print_import(imported) -> None:
+    out = wide(console)
+    out.print(f"[bold]{imported.system}[/]: {len(imported.values)} recipe fields set")
+    for title, items in (
+        ("approximated", imported.notes),
+        ("not mapped (no effect on the math here)", [s.line() for s in imported.not_mapped]),
+        ("[red]unsupported[/]", [s.line() for s in imported.unsupported]),
+    ):
+        if items:
+            out.print(f"{title}:")
+            for item in items:
+                out.print(f"  - {item}", highlight=False, markup=False)
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     console.print(explain_table(args.field))
     return 0
@@ -293,6 +323,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "parity": cmd_parity,
     "pp-schedule": cmd_pp_schedule,
     "export": cmd_export,
+    "import-config": cmd_import_config,
 }
 
 

@@ -86,6 +86,21 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         "items", nargs="*", metavar="RECIPE|key=value", help="the recipe whose model receives them"
     )
     imp.add_argument("--out", required=True, help="folder for the seed checkpoint")
+    ic = add(
+        "import-config",
+        "a DeepSpeed JSON or TorchTitan 0.2 TOML config -> a recipe (unmapped keys listed; exit 2 "
+        "if one asks for what meshforge cannot do)",
+    )
+    ic.add_argument("source", help="ds_config.json or a TorchTitan job .toml")
+    ic.add_argument("--out", required=True, help="the recipe to write, e.g. recipe.toml")
+    ic.add_argument("--world", type=int, default=None, help="GPUs the config was for (DeepSpeed: required)")
+    ic.add_argument("--model", default=None, help="family:flavor, e.g. llama3:8b (DeepSpeed names no model)")
+    ic.add_argument("--base", default=None, help="a recipe to extend (model, data, seq_len, steps from it)")
+    ic.add_argument(
+        "--allow-unmapped",
+        action="store_true",
+        help="write the recipe even if keys meshforge cannot do are left out",
+    )
     sw = _recipe_items(add("sweep", "try every valid mesh shape of a recipe; rank the layouts"))
     add_sweep_args(sw)
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")

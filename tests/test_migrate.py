@@ -1,0 +1,255 @@
+"""`meshforge import-config`: DeepSpeed JSON and TorchTitan 0.2 job files (as those projects
+ship them, in tests/configs/) -> recipes that validate, carry the math over, list every key
+that did not map, and refuse what meshforge cannot do with exit 2 and no file written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomllib
+from conftest import REPO, read_metrics, run_cli
+
+from meshforge.core.errors import UsageError
+from meshforge.migrate import ImportRefused, import_config
+from meshforge.models import args_from_config
+from meshforge.recipe import load_recipe
+
+DS = REPO / "tests" / "configs" / "deepspeed"
+TITAN = REPO / "tests" / "configs" / "torchtitan_0.2"
+
+
+def _import(tmp_path, src: Path, world: int | None, **kw):
+    out = tmp_path / (src.stem + ".toml")
+    imported = import_config(src, out, world, **kw)
+    return imported, load_recipe(out, world_size=world), out.read_text()
+
+
+def test_the_seeds_example_pipeline_fp16_zero0(tmp_path):
+    imported, r, text = _import(tmp_path, DS / "seeds_pipeline_fp16.json", 3, model="llama3:debug")
+    assert (r.mesh.pp, r.mesh.dp_replicate, r.mesh.dp_shard, r.mesh.tp) == (3, 1, 1, 1)
+    # DeepSpeed's 8 accumulation steps of 4 are the pipeline's 8 microbatches of one 32-sample batch
+    assert (r.train.global_batch_size, r.train.micro_batch_size, r.train.grad_accum_steps) == (32, 32, 1)
+    assert r.pp.microbatches == 8 and r.pp.schedule == "1F1B"
+    assert r.fsdp.param_dtype == "float16" and r.loss_scale.dynamic and r.loss_scale.initial == 65536.0
+    assert r.loss_scale.growth_interval == 1000  # DeepSpeed's loss_scale_window default, not torch's 2000
+    assert r.train.max_norm == 0.0  # DeepSpeed's default: no clipping (meshforge's is 1.0)
+    assert r.lr_scheduler.decay == "constant" and r.lr_scheduler.warmup_steps == 0  # no scheduler: constant
+    assert "ZeRO 0 -> plain data parallel" in text and "hysteresis = 2" in text
+    assert not imported.unsupported and not imported.not_mapped
+
+
+def test_zero_stages_offload_optimizers_and_schedules_map(tmp_path):
+    _, r, text = _import(tmp_path, DS / "zero2_bf16_warmup_decay.json", 4, model="llama3:debug")
+    assert (r.mesh.dp_shard, r.fsdp.reshard_after_forward) == (4, False)  # ZeRO 2: kept after forward
+    assert (r.train.global_batch_size, r.train.micro_batch_size, r.train.grad_accum_steps) == (64, 8, 2)
+    assert r.fsdp.param_dtype == "bfloat16" and r.train.max_norm == 1.0
+    assert (r.lr_scheduler.decay, r.lr_scheduler.warmup_steps, r.train.steps) == ("linear", 100, 2000)
+    assert r.lr_scheduler.min_lr_ratio == 0.0 and r.optimizer.lr == 3e-4 and r.logging.log_every == 10
+    assert "zero_optimization.overlap_comm = True: a ZeRO tuning knob" in text
+
+    imported, r, text = _import(tmp_path, DS / "zero3_offload_fp16_cosine.json", 4, base="debug_cpu")
+    assert (r.mesh.dp_shard, r.mesh.pp, r.fsdp.reshard_after_forward, r.fsdp.cpu_offload) == (
+        4,
+        1,
+        True,
+        True,
+    )
+    assert (r.train.global_batch_size, r.train.micro_batch_size, r.train.grad_accum_steps) == (32, 2, 4)
+    assert (r.loss_scale.initial, r.loss_scale.growth_interval, r.loss_scale.min_scale) == (4096.0, 500, 0.5)
+    assert (
+        r.optimizer.betas == [0.9, 0.999] and r.optimizer.weight_decay == 0.01
+    )  # Adam's defaults + AdamW mode
+    assert (r.lr_scheduler.decay, r.lr_scheduler.min_lr_ratio, r.lr_scheduler.warmup_steps) == (
+        "cosine",
+        0.1,
+        50,
+    )
+    assert r.model.flavor == "debug" and r.data.source == "synthetic"  # the rest from the base recipe
+    assert tomllib.loads(text)["extends"] == str((REPO / "recipes" / "debug_cpu.toml").resolve())
+
+    _, r, text = _import(tmp_path, DS / "zero1_adam_monitors.json", 2, model="llama3:debug")
+    assert (r.mesh.dp_shard, r.fsdp.reshard_after_forward) == (2, False)
+    assert "ZeRO 1 shards only the optimizer state" in text
+    assert (r.train.micro_batch_size, r.train.grad_accum_steps) == (4, 2)  # 16 = 4 x 2 x dp 2
+    assert r.optimizer.betas == [0.9, 0.98] and r.optimizer.eps == 1e-6 and r.fsdp.reduce_dtype == "float32"
+    assert r.logging.tensorboard and r.logging.wandb and r.logging.wandb_project == "ds-project"
+    assert (r.logging.wandb_entity, r.logging.wandb_group) == ("ds-team", "ds-group")
+    assert r.activation_checkpoint.mode == "full"
+
+    _, r, _ = _import(tmp_path, DS / "static_loss_scale.json", 8, model="llama3:debug")
+    assert (r.mesh.dp_replicate, r.train.micro_batch_size) == (8, 1)  # ZeRO 0 by default; 8 / dp 8
+    assert not r.loss_scale.dynamic and r.loss_scale.initial == 128.0
+    assert (r.optimizer.lr, r.lr_scheduler.decay, r.lr_scheduler.warmup_steps) == (1e-3, "constant", 10)
+
+
+def test_what_meshforge_cannot_do_is_refused_with_each_key_and_nothing_written(tmp_path):
+    with pytest.raises(ImportRefused) as e:
+        import_config(DS / "zeropp_ulysses_moe.json", tmp_path / "x.toml", 16, model="llama3:debug")
+    keys = {s.key for s in e.value.imported.unsupported}
+    assert {"zero_optimization.zero_quantized_weights", "zero_optimization.zero_hpz_partition_size"} <= keys
+    assert {"sequence_parallel_size", "moe.enabled"} <= keys and e.value.exit_code == 2
+    assert not (tmp_path / "x.toml").exists()
+
+    with pytest.raises(ImportRefused) as e:
+        import_config(DS / "log_warmup_default.json", tmp_path / "x.toml", 2, model="llama3:debug")
+    why = {s.key: s.why for s in e.value.imported.unsupported}
+    assert "log-shaped warmup (DeepSpeed's default)" in why["scheduler.params.warmup_type"]
+    assert "check its spelling" in why["zero_optimizaton.stage"]  # a typo never passes silently
+
+    # --allow-unmapped writes the recipe, with what was left out at its top
+    imported = import_config(
+        DS / "log_warmup_default.json", tmp_path / "x.toml", 2, model="llama3:debug", allow_unmapped=True
+    )
+    text = (tmp_path / "x.toml").read_text()
+    assert "# UNSUPPORTED, left out" in text and "zero_optimizaton.stage = 2" in text
+    assert len(imported.unsupported) == 2
+
+
+@pytest.mark.parametrize(
+    "name,world,message",
+    [
+        (
+            "inconsistent_batch.json",
+            4,
+            "micro_batch_per_gpu * gradient_acc_step * world_size 32 != 4 * 3 * 4",
+        ),
+        ("hf_trainer_auto.json", 4, "'auto' is filled in by the HF Trainer"),
+        ("seeds_pipeline_fp16.json", 4, "pipeline.stages = 3 must be a positive divisor of --world 4"),
+    ],
+)
+def test_deepspeed_s_own_errors_are_reproduced(tmp_path, name, world, message):
+    with pytest.raises(UsageError) as e:
+        import_config(DS / name, tmp_path / "x.toml", world, model="llama3:debug")
+    assert message in str(e.value)
+
+
+def test_files_that_are_not_configs_are_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(UsageError, match="is not JSON"):
+        import_config(bad, tmp_path / "x.toml", 2, model="llama3:debug")
+    other = tmp_path / "other.json"
+    other.write_text('{"name": "my-package", "version": "1.0"}')
+    with pytest.raises(UsageError, match="does not look like a DeepSpeed config"):
+        import_config(other, tmp_path / "x.toml", 2, model="llama3:debug")
+    with pytest.raises(UsageError, match="names no model"):
+        import_config(DS / "static_loss_scale.json", tmp_path / "x.toml", 8)
+    toml = tmp_path / "x.toml"
+    toml.write_text('[tool.poetry]\nname = "x"\n')
+    with pytest.raises(UsageError, match="does not look like a TorchTitan job file"):
+        import_config(toml, tmp_path / "y.toml", 2)
+
+
+def test_torchtitan_job_files_map_with_titan_s_defaults(tmp_path):
+    imported, r, text = _import(tmp_path, TITAN / "debug_model.toml", 8)
+    assert (r.model.dim, r.model.n_layers, r.model.n_heads, r.model.vocab_size) == (256, 6, 16, 2048)
+    assert r.model.rope_scaling_factor == 8.0 and r.model.rope_theta == 500000.0
+    assert (r.mesh.dp_shard, r.mesh.tp, r.mesh.pp) == (8, 1, 1) and r.fsdp.reshard_after_forward
+    assert (r.train.micro_batch_size, r.train.seq_len, r.train.steps) == (8, 2048, 10)
+    assert (r.lr_scheduler.warmup_steps, r.lr_scheduler.decay, r.lr_scheduler.min_lr_ratio) == (
+        2,
+        "linear",
+        0.0,
+    )
+    assert (
+        r.optimizer.lr == 8e-4 and r.optimizer.weight_decay == 0.1
+    )  # TorchTitan's default decay, written out
+    assert r.fsdp.param_dtype == "bfloat16"  # TorchTitan's default mixed precision under FSDP
+    assert (r.activation_checkpoint.mode, r.activation_checkpoint.selective_every) == ("selective", 2)
+    assert "training.dataset = 'c4_test'" in text and not imported.unsupported
+
+    _, r, text = _import(tmp_path, TITAN / "llama3_8b.toml", 64)
+    assert r.model.flavor == "8b" and r.model.dim is None  # meshforge's 8b is TorchTitan's 8B: no overrides
+    assert set(tomllib.loads(text)["model"]) == {"name", "flavor", "max_seq_len"}
+    assert r.activation_checkpoint.mode == "full" and "op-level selective AC approximated" in text
+    assert (r.train.seq_len, r.train.steps, r.lr_scheduler.warmup_steps) == (8192, 1000, 200)
+
+    _, r, _ = _import(tmp_path, TITAN / "llama3_70b.toml", 64)
+    assert r.model.flavor == "70b" and args_from_config(r.model).n_layers == 80
+
+    # without data parallelism TorchTitan trains in fp32: so does the import
+    _, r, text = _import(tmp_path, TITAN / "debug_model.toml", 1)
+    assert r.mesh.dp_shard == 1 and r.fsdp.param_dtype == "float32"
+    assert "applies only under FSDP in TorchTitan" in text
+
+
+def test_torchtitan_refusals(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        '[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["float8"]\n'
+        "[training]\nsteps = 100\n[parallelism]\ncontext_parallel_degree = 2\n"
+        '[lr_scheduler]\nwarmup_steps = 10\ndecay_ratio = 0.5\ndecay_type = "sqrt"\n[made_up]\nkey = 1\n'
+    )
+    with pytest.raises(ImportRefused) as e:
+        import_config(job, tmp_path / "x.toml", 8)
+    why = {s.key: s.why for s in e.value.imported.unsupported}
+    assert set(why) == {
+        "model.converters",
+        "parallelism.context_parallel_degree",
+        "lr_scheduler.decay_ratio",
+        "lr_scheduler.decay_type",
+        "made_up.key",
+    }
+    assert "warmup-stable-decay" in why["lr_scheduler.decay_ratio"]
+
+
+def test_the_cli_prints_every_unmapped_key_and_exits_2(tmp_path):
+    proc = run_cli(
+        [
+            "import-config",
+            str(DS / "zeropp_ulysses_moe.json"),
+            "--world=16",
+            "--model=llama3:debug",
+            "--out=x.toml",
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
+    assert proc.returncode == 2 and not (tmp_path / "x.toml").exists()
+    assert "zero_optimization.zero_quantized_weights = True: ZeRO++ quantized weights" in proc.stdout
+    assert "no recipe written" in proc.stderr
+
+
+@pytest.mark.slow
+def test_imported_recipes_run(tmp_path):
+    """The seeds' DeepSpeed example (3 pipeline stages, fp16) and TorchTitan's debug job, imported
+    and run as a user would, on CPU processes (sizes overridden for the laptop)."""
+    cases = [
+        (DS / "seeds_pipeline_fp16.json", ["--world", "3", "--model", "llama3:debug"], 3),
+        (TITAN / "debug_model.toml", ["--world", "2"], 2),
+    ]
+    for src, flags, world in cases:
+        out = tmp_path / f"{src.stem}.toml"
+        proc = run_cli(
+            ["import-config", str(src), *flags, "--out", str(out)], cwd=tmp_path, program="meshforge"
+        )
+        assert proc.returncode == 0, proc.stderr
+        run = run_cli(
+            [str(out), "train.steps=4", "train.seq_len=32", "logging.wandb=false", f"output_dir={tmp_path}"],
+            cwd=tmp_path,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = read_metrics(tmp_path / src.stem)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in rows)
+        assert f"on {world} x cpu" in run.stdout
+
+
+@pytest.mark.slow
+def test_titan_flavors_import_as_torchtitan_builds_them():
+    """The imported TorchTitan flavors have TorchTitan's own parameter counts (0.3.0's builders)."""
+    pytest.importorskip("triton")  # TorchTitan imports on the CPU build only with triton
+    pytest.importorskip("torchtitan", reason="the titan extra (installed by .[all], as CI does)")
+    import torch
+    from torchtitan.models.llama3 import llama3_configs
+
+    from meshforge.migrate.torchtitan import LLAMA3_FLAVORS
+    from meshforge.models import count_params, get_model_spec
+    from meshforge.models.llama import LlamaArgs
+
+    for flavor in ("debugmodel", "8B", "70B"):
+        with torch.device("meta"):
+            titan = llama3_configs[flavor](attn_backend="flex").build()
+            ours = get_model_spec("llama3").build(LlamaArgs(**LLAMA3_FLAVORS[flavor], max_seq_len=2048))
+        titan_n = sum(p.numel() for n, p in titan.named_parameters())
+        assert count_params(ours) == titan_n, flavor
