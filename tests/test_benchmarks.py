@@ -68,7 +68,11 @@ def test_vs_torchtitan_benchmark_writes_its_results(tmp_path):
     med = result["model_level"]["median_step_s"]
     assert result["model_level"]["ratio"] == med["torchtitan"] / med["meshforge"] > 0
     (row,) = result["end_to_end"]
-    assert row["meshforge"]["tokens_per_sec_per_device"] > 0 and 0 < row["meshforge"]["matmul_fraction"] < 1
+    # the one-thread 1024^2 matmul rate is a reference, not a ceiling: the model's smaller matmuls run
+    # near it, and timings here move by +-6% (a run measured 1.03 of it)
+    assert (
+        row["meshforge"]["tokens_per_sec_per_device"] > 0 and 0.05 < row["meshforge"]["matmul_fraction"] < 1.5
+    )
     assert row["repeats"][0]["meshforge"]["throughput_steps"] == {"counted": 3, "excluded": {"warmup": [1]}}
     assert "| 1proc | float32 |" in (tmp_path / "vs_torchtitan.md").read_text()
 

@@ -146,6 +146,8 @@ def test_overflows_are_skipped_on_every_stage_logged_everywhere_and_the_scale_re
     history = [h for h in wf.history(wf.run_files(tmp_path / "a")) if "loss_scale" in h]
     assert [h["loss_scale"] for h in history] == scales
     assert [h["overflow_steps"] for h in history] == [r["overflow_steps"] for r in rows]
+    summary = json.loads((tmp_path / "a" / "run.json").read_text())["summary"]
+    assert summary["overflow_steps"] == len(overflowed) and summary["loss_scale"] > 0
     meta = json.loads((tmp_path / "a" / "checkpoints" / "step-00000005" / "meta.json").read_text())
     assert meta["loss_scale"]["scale"] == scales[5]  # the scale step 6 ran with
 

@@ -20,6 +20,7 @@ L8 = [
     "model.n_layers=8"
 ]  # pp=4 x 2 virtual stages needs 8 layers  # zero-bubble schedules need it (validation refuses the other)
 
+TIED = ["model.tie_embeddings=true"]  # llm_1b's tying on the debug model
 QWEN3 = ["model.name=qwen3"]  # the debug flavor: QK-norm, head_dim 32 with dim 64, untied
 
 # name: (overrides, baseline model overrides, tolerance)
@@ -110,6 +111,7 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "qwen3_tp2_no_sp": (["mesh.tp=2", "tp.sequence_parallel=false", *QWEN3], QWEN3, 1e-5),
     "qwen3_pp2": (["mesh.pp=2", *QWEN3], QWEN3, 1e-5),
     "qwen3_fsdp2": (["mesh.dp_shard=2", *QWEN3], QWEN3, 1e-5),
+    "tied_fsdp2": (["mesh.dp_shard=2", *TIED], TIED, 1e-5),  # one weight in FSDP's root group
 }
 
 

@@ -196,3 +196,32 @@ def test_cpu_offload_on_one_process_wraps_the_model_in_fsdp(tmp_path):
     finally:
         trainer.loader.close()
         dist.destroy_process_group()
+
+
+def test_tied_embeddings_stay_one_parameter_after_materializing(tmp_path):
+    """`to_empty` (meta -> CPU) gives each module its own tensor: without re-tying, a tied
+    model trained two weights (llm_1b: 1.5B parameters, not 1.24B). One parameter, once in the
+    optimizer; and the run's own guard refuses a model that came apart."""
+    import sys
+
+    import pytest
+
+    from meshforge.recipe import load_recipe
+    from meshforge.run.trainer import Trainer
+
+    overrides = [*SINGLE, "model.tie_embeddings=true", f"output_dir={tmp_path}", "logging.wandb=false"]
+    trainer = Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))
+    model = trainer.pmodel.parts[0]
+    assert model.output.weight is model.tok_embeddings.weight
+    in_optimizer = sum(p.numel() for g in trainer.optimizers[0].param_groups for p in g["params"])
+    assert in_optimizer == trainer.n_params == 213_568
+    trainer.loader.close()
+
+    materialize = sys.modules["meshforge.parallelisms.materialize"]
+    retie = materialize.retie
+    materialize.retie = lambda model, shared: None  # as before the fix
+    try:
+        with pytest.raises(RuntimeError, match="trains 229,952 parameters, the model has 213,568"):
+            Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))
+    finally:
+        materialize.retie = retie

@@ -24,7 +24,7 @@ from meshforge.core.errors import Interrupted, OutOfMemory
 from meshforge.core.logs import setup_logging
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.parallelisms import build_meshes, materialize, parallelize
+from meshforge.parallelisms import build_meshes, check_parameter_count, materialize, parallelize
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.run import distributed as mfdist
 from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState
@@ -94,6 +94,8 @@ class Trainer:
             materialize(part, self.env.device, r.seed, params_on_cpu=r.fsdp.cpu_offload)
             part.train()
         self.params = [p for part in self.pmodel.parts for p in part.parameters()]
+        pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
+        check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, pp_group)
 
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
         self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
@@ -357,7 +359,8 @@ class Trainer:
         return self.pmodel.layout if self.dims.pp_enabled else None
 
     def summary(self) -> dict:
-        return summarize(self.state, self.throughput, loss_floor(self.source))
+        fp16 = self.scaler.metrics(self.scaler.scale)  # the final scale and overflow count (fp16)
+        return {**summarize(self.state, self.throughput, loss_floor(self.source)), **fp16}
 
 
 def train(recipe: Recipe) -> RunState:

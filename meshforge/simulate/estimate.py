@@ -29,6 +29,7 @@ from meshforge.configs import Recipe, RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
+from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
@@ -44,7 +45,7 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc)."""
     with simulated_rank(recipe, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
         for part in pmodel.parts:
-            part.to_empty(device="cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
+            to_empty(part, "cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
             part.init_buffers(torch.device("cpu"))
             part.train()
         # for-loop: foreach AdamW's batched temporaries would be counted all at once under fake tensors
