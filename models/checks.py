@@ -1,5 +1,5 @@
 """Rules every decoder family of this shape obeys on a mesh: whole (kv) heads per tensor-
-parallel rank, FFN and vocab split evenly, and tied embeddings only where one rank holds both."""
+parallel rank, FFN and vocab split evenly."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from meshforge.core.topology import ParallelDims, divisors
 
 
 def check_heads_on_mesh(a, dims: ParallelDims) -> list[Problem]:
-    """Heads, kv heads, FFN and vocab against the tensor-parallel degree; tying vs TP/PP."""
+    """Heads, kv heads, FFN and vocab against the tensor-parallel degree (tied or not)."""
     problems = []
     if a.n_heads % a.kv_heads:
         problems.append(
@@ -35,29 +35,14 @@ def check_heads_on_mesh(a, dims: ParallelDims) -> list[Problem]:
                 )
             )
         if a.ffn_hidden_dim % tp or a.vocab_size % tp:
+            whole = [d for d in divisors(a.ffn_hidden_dim) if a.vocab_size % d == 0 and d > 1]
+            tied = " (the tied embedding and output shard it alike)" if a.tie_embeddings else ""
             problems.append(
                 Problem(
                     "mesh.tp",
                     tp,
-                    f"FFN hidden {a.ffn_hidden_dim} and vocab {a.vocab_size} must be divisible by tp",
+                    f"FFN hidden {a.ffn_hidden_dim} and vocab {a.vocab_size}{tied} must be divisible by "
+                    f"tp; valid tp: {nearest(tp, whole or [1])}",
                 )
             )
-        if a.tie_embeddings:
-            problems.append(
-                Problem(
-                    "model.tie_embeddings",
-                    True,
-                    "tied embeddings with tp > 1 are not supported (embedding and output shard "
-                    "differently); use mesh.tp=1 or model.tie_embeddings=false",
-                )
-            )
-    if dims.pp > 1 and a.tie_embeddings:
-        problems.append(
-            Problem(
-                "model.tie_embeddings",
-                True,
-                "tied embeddings need embedding and output on one pipeline stage; "
-                "use mesh.pp=1 or model.tie_embeddings=false",
-            )
-        )
     return problems

@@ -190,7 +190,10 @@ class Transformer(nn.Module):
         self.freqs_cis = precompute_freqs_cis(self.args).to(device or self.freqs_cis.device)
 
     def init_param(self, fqn: str, full: torch.Tensor, seed: int) -> None:
-        """Fill `full` (the unsharded float32 value of parameter `fqn`) in place."""
+        """Fill `full` (the unsharded float32 value of parameter `fqn`) in place. A tied output
+        is the embedding: on a pipeline's last stage, its copy draws the embedding's value."""
+        if fqn == "output.weight" and self.args.tie_embeddings:
+            fqn = "tok_embeddings.weight"
         param_init(self.args, fqn)(full, seeded_generator(seed, fqn))
 
     @torch.no_grad()

@@ -67,11 +67,14 @@ def retie(model: nn.Module, shared: list[list[str]]) -> None:
                 module._parameters[name] = param
 
 
-def check_parameter_count(parts: list[nn.Module], expected: int, device: torch.device, pp_group=None) -> None:
+def check_parameter_count(
+    parts: list[nn.Module], expected: int, device: torch.device, pp_group=None, tied=None
+) -> None:
     """Every parameter of the model is trained exactly once across this rank's pipeline (a
-    DTensor counts at its global size): an untied weight or a lost one would be a silently
-    different model, so the run stops here instead."""
-    unique = {id(p): p for part in parts for p in part.parameters()}
+    DTensor counts at its global size; a weight tied across stages, `tied`, once): an
+    untied weight or a lost one would be a silently different model, so the run stops here."""
+    skip = tied.norm_skips() if tied is not None else set()
+    unique = {id(p): p for part in parts for p in part.parameters() if id(p) not in skip}
     count = torch.tensor(float(sum(p.numel() for p in unique.values())), dtype=torch.float64, device=device)
     if pp_group is not None:
         dist.all_reduce(count, group=pp_group)

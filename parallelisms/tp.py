@@ -16,5 +16,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: TPConfig, spec: ModelSp
     # a pipeline stage may lack the embeddings or the head: plan only what is there
     top = {fqn: style for fqn, style in top.items() if getattr(model, fqn, None) is not None}
     parallelize_module(model, tp_mesh, top)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # one parameter again: the plan gave the output its own. The embedding (rowwise over the
+        # vocabulary) and the output (colwise over it) both shard the weight's vocab dim: Shard(0)
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, spec.tp_block_plan(cfg.sequence_parallel))

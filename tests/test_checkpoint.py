@@ -283,3 +283,27 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"(os|posix)\.system, which no checkpoint needs"):
         dcp_load({"x": torch.zeros(2)}, ckpt)
     assert not (tmp_path / "pwned.txt").exists()
+
+
+@pytest.mark.slow
+def test_a_tied_model_saved_on_pp2_stores_one_weight_and_resumes_on_tp2_and_one_process(tmp_path):
+    """Tied embeddings on a pipeline are two copies (first and last stage) kept equal; the
+    checkpoint stores the weight and its AdamW state once, under the embedding's name, and a
+    resume on tp 2 (one DTensor for both uses) or one process (one tensor) continues the curve."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tied = ["model.tie_embeddings=true", *CKPT]
+    proc = run_cli(_args(tmp_path, "pp2", "mesh.pp=2", *tied), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step5 = tmp_path / "pp2" / "checkpoints" / "step-00000005"
+    keys = set(FileSystemReader(str(step5)).read_metadata().state_dict_metadata)
+    assert "model.tok_embeddings.weight" in keys and "optim.state.tok_embeddings.weight.exp_avg" in keys
+    assert not [k for k in keys if "output.weight" in k]  # one copy, one optimizer state
+    ref = _losses(tmp_path / "pp2")
+    for name, mesh in (("tp2", ["mesh.tp=2"]), ("one", [])):
+        proc = run_cli(_args(tmp_path, name, *mesh, *tied, f"checkpoint.load={step5}"), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = _losses(tmp_path / name)
+        assert sorted(got) == list(range(6, 11))
+        for s in got:
+            assert abs(got[s][0] - ref[s][0]) <= 1e-5 and abs(got[s][1] - ref[s][1]) <= 1e-5, (name, s)

@@ -18,21 +18,28 @@ from meshforge.simulate.sharding import all_placements
 
 GOLDEN = RECIPES.parent / "tests" / "golden"
 RECIPE_FILES = sorted(RECIPES.rglob("*.toml"))  # recursive: sub-folders count too
+# golden name -> (recipe, overrides): every shipped recipe as it is, and llm_1b's tied embeddings
+# under TP (one DTensor for both uses) and PP (a copy on the last stage)
+CASES = {p.stem: (p, []) for p in RECIPE_FILES} | {
+    "llm_1b_tp2": (RECIPES / "llm_1b.toml", ["mesh.dp_shard=4", "mesh.tp=2"]),
+    "llm_1b_pp2": (RECIPES / "llm_1b.toml", ["mesh.dp_shard=4", "mesh.pp=2"]),
+}
 
 
-@pytest.mark.parametrize("path", RECIPE_FILES, ids=[p.stem for p in RECIPE_FILES])
-def test_sharding_matches_golden(path):
-    got = json.dumps(all_placements(load_recipe(path)), indent=1, sort_keys=True) + "\n"
-    golden = GOLDEN / f"sharding_{path.stem}.json"
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharding_matches_golden(name):
+    path, overrides = CASES[name]
+    got = json.dumps(all_placements(load_recipe(path, overrides)), indent=1, sort_keys=True) + "\n"
+    golden = GOLDEN / f"sharding_{name}.json"
     if os.environ.get("MESHFORGE_UPDATE_GOLDEN") == "1":
         golden.write_text(got)
-    assert golden.is_file(), f"no golden file for {path.name}: run with MESHFORGE_UPDATE_GOLDEN=1"
+    assert golden.is_file(), f"no golden file for {name}: run with MESHFORGE_UPDATE_GOLDEN=1"
     expected = golden.read_text()
     if got != expected:
         diff = "".join(
             difflib.unified_diff(expected.splitlines(True), got.splitlines(True), "golden", "now", n=1)
         )
-        pytest.fail(f"sharding plan of {path.name} changed:\n{diff[:6000]}")
+        pytest.fail(f"sharding plan of {name} changed:\n{diff[:6000]}")
 
 
 def test_golden_files_show_the_3d_layout():
@@ -47,5 +54,16 @@ def test_golden_files_show_the_3d_layout():
         one_b["3"]["tok_embeddings.weight"]
         == "S(0) on (dp_shard) local [16032, 2048] of [128256, 2048] at [48096, 0]"
     )
+    # llm_1b ties its embeddings: one parameter under FSDP and TP, a copy on PP's last stage
+    assert (
+        one_b["3"]["output.weight"]
+        == "= tok_embeddings.weight (one parameter): " + one_b["3"]["tok_embeddings.weight"]
+    )
+    tp2 = json.loads((GOLDEN / "sharding_llm_1b_tp2.json").read_text())
+    assert tp2["3"]["output.weight"].endswith(tp2["3"]["tok_embeddings.weight"])
+    assert tp2["3"]["tok_embeddings.weight"].startswith("_S(0, 2),S(0) on (dp_shard,tp)")
+    pp2 = json.loads((GOLDEN / "sharding_llm_1b_pp2.json").read_text())
+    assert "output.weight" not in pp2["0"] and "tok_embeddings.weight" not in pp2["7"]
+    assert pp2["7"]["output.weight"].startswith("stage 1: copy of tok_embeddings.weight (tied")
     # FSDP inside TP: rank 3 is (dp_shard 1, tp 1): the second quarter-row block of the second TP half
     assert debug["3"]["layers.0.attention.wq.weight"].endswith("local [16, 64] of [64, 64] at [48, 0]")

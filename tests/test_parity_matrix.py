@@ -111,7 +111,22 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "qwen3_tp2_no_sp": (["mesh.tp=2", "tp.sequence_parallel=false", *QWEN3], QWEN3, 1e-5),
     "qwen3_pp2": (["mesh.pp=2", *QWEN3], QWEN3, 1e-5),
     "qwen3_fsdp2": (["mesh.dp_shard=2", *QWEN3], QWEN3, 1e-5),
-    "tied_fsdp2": (["mesh.dp_shard=2", *TIED], TIED, 1e-5),  # one weight in FSDP's root group
+    # llm_1b's tied embeddings: one DTensor under TP; a copy per end stage under PP, grads summed
+    "tied_tp2_sp_loss_parallel": (["mesh.tp=2", *TIED], TIED, 1e-5),
+    "tied_tp2_no_sp": (
+        ["mesh.tp=2", "tp.sequence_parallel=false", "tp.loss_parallel=false", *TIED],
+        TIED,
+        1e-5,
+    ),
+    "tied_pp2_1f1b": (["mesh.pp=2", "pp.schedule=1F1B", *TIED], TIED, 1e-5),
+    "tied_pp2_interleaved1f1b": (
+        ["mesh.pp=2", "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=2", *TIED],
+        TIED,
+        1e-5,
+    ),
+    "tied_pp2_zbv": (["mesh.pp=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *TIED], TIED, 1e-5),
+    "tied_pp2_tp2": (["mesh.pp=2", "mesh.tp=2", *TIED], TIED, 1e-5),
+    "tied_3d_pp2_dp2_tp2": (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *TIED], TIED, 1e-5),
 }
 
 

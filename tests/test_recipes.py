@@ -195,8 +195,12 @@ def test_refused_combinations_say_why_and_what_instead(tmp_path):
     assert "reshard_after_forward=false" in p["fsdp.reshard_after_forward"]
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[compile]\nenabled = true\n[train]\nseq_len = 32\n")
     assert "tok_embeddings gradient" in p["compile.enabled"]
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[model]\ntie_embeddings = true\n")
-    assert "model.tie_embeddings=false" in p["model.tie_embeddings"]
+    # tied embeddings run under TP and PP (parity matrix); a vocabulary TP cannot split is refused
+    tied = "[mesh]\ndp_shard = 1\ntp = 2\npp = 2\n[model]\ntie_embeddings = true\n"
+    assert load_recipe(write(tmp_path, tied), world_size=4).model.tie_embeddings
+    p = problems(tmp_path, tied + "vocab_size = 255\n", world=4)
+    assert "vocab 255 (the tied embedding and output shard it alike)" in p["mesh.tp"]
+    assert "valid tp: 3" in p["mesh.tp"] and "model.tie_embeddings" not in p
     p = problems(tmp_path, SINGLE + '[fsdp]\nparam_dtype = "bfloat16"\nreduce_dtype = "float16"\n')
     assert (
         "unscaled gradients underflow" in p["fsdp.reduce_dtype"] and "now bfloat16" in p["fsdp.reduce_dtype"]

@@ -28,60 +28,17 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from meshforge.configs.schema import CheckpointConfig, ModelConfig
 from meshforge.core.errors import CheckpointError, CheckpointNotFound
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.run.loss_scale import LossScaler
+from meshforge.run.state import ModelState, OptimizerState
 from meshforge.run.weights import hf_reader_for, load_into
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
-# optimizer state keyed by parameter FQN (not by index), so it reshards like the model
-OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class ModelState(Stateful):
-    """This rank's model parts (pipeline stages) as one FQN -> tensor mapping."""
-
-    def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part in self.parts:
-            own = get_model_state_dict(part)
-            set_model_state_dict(part, {k: state[k] for k in own})
-
-
-class OptimizerState(Stateful):
-    """One optimizer per model part, flattened to FQN keys and merged."""
-
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
-        self.parts, self.optimizers = parts, optimizers
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            k: v
-            for part, opt in zip(self.parts, self.optimizers)
-            for k, v in get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS).items()
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part, opt in zip(self.parts, self.optimizers):
-            own = get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
-            set_optimizer_state_dict(part, opt, {k: state[k] for k in own}, options=OPTIM_OPTIONS)
 
 
 # DCP pickles its `.metadata`; only the classes a checkpoint's metadata consists of may be

@@ -66,7 +66,11 @@ class StepPolicy:
 
 @torch.no_grad()
 def clip_grad_norm(
-    params: list[torch.Tensor], max_norm: float, pp_group=None, unscale: float = 1.0
+    params: list[torch.Tensor],
+    max_norm: float,
+    pp_group=None,
+    unscale: float = 1.0,
+    skip: set[int] = frozenset(),
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (clipped to max_norm if > 0), correct on every mesh.
 
@@ -75,11 +79,13 @@ def clip_grad_norm(
     under pipeline parallel, across stages. Gradients of a loss scaled by S come with
     `unscale` = 1/S: the norm is reported unscaled and the division rides on the clipping
     multiply. An inf or nan gradient anywhere makes the norm non-finite on every rank.
+    Parameters whose ids are in `skip` are clipped but not counted (a tied weight's second copy).
     """
     grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict = defaultdict(list)
-    for g in grads:
-        by_mesh[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    for p in params:
+        if p.grad is not None and id(p) not in skip:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for group in by_mesh.values():

@@ -26,8 +26,9 @@ from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import build_meshes, check_parameter_count, materialize, parallelize
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
+from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run import distributed as mfdist
-from meshforge.run.checkpoint import Checkpointer, ModelState, OptimizerState
+from meshforge.run.checkpoint import Checkpointer
 from meshforge.run.console import RunConsole
 from meshforge.run.data import ShardedLoader, build_source, loss_floor
 from meshforge.run.describe import banner, draw_breakdown, draw_pipeline, log_final, open_run, run_info
@@ -49,6 +50,7 @@ from meshforge.run.memtrace import peak_categories, tracked_step
 from meshforge.run.optim import build_lr_scheduler, build_optimizer
 from meshforge.run.plan import make_plan
 from meshforge.run.record import RunState, StepTime, Throughput, exclusion, summarize
+from meshforge.run.state import ModelState, OptimizerState
 from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 from meshforge.run.watch import LAUNCHED_ENV
 
@@ -95,7 +97,9 @@ class Trainer:
             part.train()
         self.params = [p for part in self.pmodel.parts for p in part.parameters()]
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
-        check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, pp_group)
+        root = self.meshes.root if self.meshes else None
+        self.tied = tie_across_stages(self.pmodel.parts, self.pmodel.stage_ids, root, r.pp, self.env.device)
+        check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, pp_group, self.tied)
 
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
         self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
@@ -198,8 +202,10 @@ class Trainer:
         # times the loss scale (fp16; 1 otherwise), divided out again in the clipping multiply
         scale = self.scaler.scale
         ce_total = self.forward_backward(batches, scale / n_tokens)
+        self.tied.sync_grads()  # a weight tied across pipeline stages: both copies get its gradient
         pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
-        grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group, unscale=1.0 / scale))
+        skip = self.tied.norm_skips()
+        grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group, 1.0 / scale, skip))
         # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
         # request (SIGTERM) rides along in the same all-reduce, so all ranks stop together.
         packed = torch.stack([ce_total, torch.tensor(float(self.stop.requested), device=env.device)])

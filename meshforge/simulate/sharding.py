@@ -12,12 +12,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
+from meshforge.parallelisms.materialize import shared_parameters
 from meshforge.simulate.fake_rank import simulated_rank, trace_pool
 
 
 def describe(s: dict) -> str:
     """A rank_slices entry as '_S(0, 2),S(0) on (dp_shard,tp) local [16, 64] of [64, 64] at
-    [32, 0]' (or 'local [64]' for a plain tensor), prefixed by 'stage N: ' under pipelining."""
+    [32, 0]' (or 'local [64]' for a plain tensor), prefixed by 'stage N: ' under pipelining
+    and by what a tied weight is tied to."""
     text = f"local {list(s['shape'])}"
     if s["placements"]:
         placements = ",".join(str(p) for p in s["placements"])
@@ -25,12 +27,14 @@ def describe(s: dict) -> str:
             f"{placements} on ({','.join(s['mesh_dims'])}) {text} of {list(s['global_shape'])} "
             f"at {list(s['offset'])}"
         )
+    if s.get("tied_to"):
+        text = f"{s['tied_to']}: {text}"
     return text if s["stage"] is None else f"stage {s['stage']}: {text}"
 
 
 def rank_placements(recipe: Recipe, rank: int) -> dict[str, str]:
     """Parameter FQN -> placement description, as rank `rank` of the recipe's mesh holds it."""
-    return {fqn: describe(s) for fqn, s in rank_slices(recipe, rank).items()}
+    return {fqn: describe(s) for fqn, s in rank_slices(recipe, rank, with_ties=True).items()}
 
 
 def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
@@ -42,12 +46,13 @@ def all_placements(recipe: Recipe) -> dict[str, dict[str, str]]:
         return {rank: f.result() for rank, f in futures.items()}
 
 
-def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:
+def rank_slices(recipe: Recipe, rank: int, with_ties: bool = False) -> dict[str, dict]:
     """Parameter FQN -> where rank `rank`'s local shard sits in the global tensor (offset,
     shape), the placements behind it, its pipeline stage (None without pipelining) and the
     rank's mesh coordinate. Run one rank per process (trace_pool): torch caches
     sliced DeviceMeshes by layout, so a second simulated rank in the same process would
-    see the first one's coordinates."""
+    see the first one's coordinates. `with_ties` adds a tied weight's second name (the same
+    parameter) and marks a pipeline's copy of it."""
     with simulated_rank(recipe, rank) as (dims, meshes, pmodel):
         coordinate = tuple(meshes.root.get_coordinate())
         out = {}
@@ -73,4 +78,10 @@ def rank_slices(recipe: Recipe, rank: int) -> dict[str, dict]:
                         shape=tuple(shape),
                     )
                 out[fqn] = s
+                tied = part.args.tie_embeddings and fqn == "output.weight"
+                if with_ties and tied:  # the last stage's copy of the first stage's embedding
+                    s["tied_to"] = "copy of tok_embeddings.weight (tied; gradients summed with stage 0's)"
+            for first, *others in shared_parameters(part) if with_ties else ():
+                for fqn in others:
+                    out[fqn] = {**out[first], "tied_to": f"= {first} (one parameter)"}
         return out

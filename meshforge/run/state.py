@@ -1,0 +1,81 @@
+"""What a checkpoint holds of a rank: its model parts and their optimizers, as FQN-keyed state
+dicts (DCP reshards them on load, so any mesh loads any checkpoint). A tied weight is stored
+once, under the embedding's name, whichever parts hold it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+# optimizer state keyed by parameter FQN (not by index), so it reshards like the model
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def tied_alias(part: nn.Module) -> Callable[[str], str]:
+    """A checkpoint key's stored name: a tied output weight (and its optimizer state) is the
+    embedding's, stored once under the embedding's name, whether this part holds the embedding
+    too (one tensor) or is a pipeline's last stage holding a copy (parallelisms/tied.py)."""
+    if not (getattr(part, "args", None) and part.args.tie_embeddings and part.output is not None):
+        return lambda key: key
+    return lambda key: re.sub(
+        r"^((?:state|param_groups)\.)?output\.weight(?=\.|$)", r"\1tok_embeddings.weight", key
+    )
+
+
+def _merged(parts: list[nn.Module], state_dicts: list[dict]) -> dict[str, Any]:
+    """Every part's state under its stored names; the first holder of a name keeps it."""
+    out: dict[str, Any] = {}
+    for part, state in zip(parts, state_dicts):
+        stored = tied_alias(part)
+        for k, v in state.items():
+            out.setdefault(stored(k), v)
+    return out
+
+
+class ModelState(Stateful):
+    """This rank's model parts (pipeline stages) as one FQN -> tensor mapping."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return _merged(self.parts, [get_model_state_dict(part) for part in self.parts])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            stored = tied_alias(part)
+            own = get_model_state_dict(part)
+            set_model_state_dict(part, {k: state[stored(k)] for k in own})
+
+
+class OptimizerState(Stateful):
+    """One optimizer per model part, flattened to FQN keys and merged."""
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts, self.optimizers = parts, optimizers
+
+    def _own(self) -> list[dict]:
+        return [
+            get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
+            for part, opt in zip(self.parts, self.optimizers)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return _merged(self.parts, self._own())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, opt, own in zip(self.parts, self.optimizers, self._own()):
+            stored = tied_alias(part)
+            set_optimizer_state_dict(part, opt, {k: state[stored(k)] for k in own}, options=OPTIM_OPTIONS)
