@@ -86,10 +86,11 @@ def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
             "--all-meshes",
             "--device-memory",
             "80GiB",
+            "model.n_layers=4",  # llm_1b's widths and vocabulary, 4 of its 16 blocks: a quarter of the trace
         ],
         cwd=tmp_path,
         program="meshforge",
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {
@@ -97,15 +98,25 @@ def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
         for line in proc.stdout.splitlines()
         if line.startswith("│ ")
     }
-    assert set(rows) == {"dp8", "dprep2-dp4", "dprep4-dp2", "dprep8"}  # tied embeddings refuse tp and pp
+    # tied embeddings run on every mesh: 16 layouts traced; pp 4 and 8 need more than llm_1b's
+    # 2 samples per rank (one microbatch per stage at least), pp 8 more than 4 blocks
+    assert len(rows) == 16 and {"tp8", "tp4-pp2", "dp2-tp2-pp2", "dp8", "dprep8"} <= set(rows)
+    refused = [line for line in proc.stdout.splitlines() if ": refused: " in line]
+    assert len(refused) == 4 and all(
+        "pp.microbatches" in line or "stages but only" in line for line in refused
+    )
+    assert "pp8: refused: mesh.pp = 8: 8 pipeline stages but only 4 layers" in proc.stdout
+    assert "tie" not in "".join(refused)
     peak = {k: float(v[0]) for k, v in rows.items()}
     assert (
         peak["dp8"] < peak["dprep2-dp4"] < peak["dprep4-dp2"] < peak["dprep8"]
     )  # less sharding, more memory
     assert all(v[-1] == "yes" for v in rows.values())
     # optimizer state: 2 fp32 moments of 1,235,814,400 params, sharded 8 ways on dp8
-    assert float(rows["dp8"][4]) == pytest.approx(2 * 4 * 1_235_814_400 / 8 / 2**30, abs=0.01)
-    assert "pp8: refused: model.tie_embeddings" in proc.stdout
+    # optimizer state: 2 fp32 moments of every parameter (the tied weight once), sharded 8 ways
+    n_params = 1_235_814_400 - 12 * (1_235_814_400 - 128_256 * 2048 - 2048) // 16  # 4 of 16 blocks
+    assert float(rows["dp8"][4]) == pytest.approx(2 * 4 * n_params / 8 / 2**30, abs=0.01)
+    assert float(rows["tp8"][4]) == pytest.approx(2 * 4 * n_params / 8 / 2**30, abs=0.01)
 
 
 def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
