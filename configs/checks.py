@@ -53,6 +53,7 @@ def check_enums(r: Recipe) -> list[Problem]:
         "optimizer.name": (r.optimizer.name, ("adamw",)),
         "optimizer.implementation": (r.optimizer.implementation, ("fused", "foreach", "for-loop")),
         "backend": (r.backend, ("torch", "jax")),
+        "sweep.launcher": (r.sweep.launcher, ("auto", "local", "slurm")),
     }
     if r.logging.wandb_mode is not None:
         choices["logging.wandb_mode"] = (r.logging.wandb_mode, ("online", "offline", "disabled"))
@@ -191,6 +192,7 @@ def check_backend(r: Recipe) -> list[Problem]:
 
 def check_ranges(r: Recipe) -> list[Problem]:
     o, t, s, lg, ls = r.optimizer, r.train, r.lr_scheduler, r.logging, r.loss_scale
+    sl = r.sweep.slurm
     checks = [
         ("optimizer.lr", o.lr, o.lr > 0, "must be > 0, e.g. 3e-4"),
         ("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
@@ -242,6 +244,11 @@ def check_ranges(r: Recipe) -> list[Problem]:
             0 < ls.min_scale <= ls.initial,
             f"must be in (0, loss_scale.initial={ls.initial}], e.g. 1",
         ),
+        ("sweep.steps", r.sweep.steps, r.sweep.steps > 0, "must be > 0"),
+        ("sweep.timeout_s", r.sweep.timeout_s, r.sweep.timeout_s > 0, "must be > 0"),
+        ("sweep.slurm.gpus_per_node", sl.gpus_per_node, sl.gpus_per_node >= 1, "must be >= 1, e.g. 8"),
+        ("sweep.slurm.max_concurrent", sl.max_concurrent, sl.max_concurrent >= 1, "must be >= 1"),
+        ("sweep.slurm.poll_s", sl.poll_s, sl.poll_s > 0, "must be > 0, e.g. 30"),
     ]
     return [Problem(name, value, fix) for name, value, ok, fix in checks if not ok]
 

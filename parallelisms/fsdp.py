@@ -8,6 +8,8 @@ on one data-parallel rank it applies only for `cpu_offload` (`fsdp_applies`).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,6 +23,10 @@ from torch.distributed.fsdp import (
 
 from meshforge.configs.schema import FSDPConfig
 from meshforge.core.topology import ParallelDims
+
+# Our blocks add to the embedding's output out of place: this warning's in-place case never
+# happens (said once here, for training and the estimator's traces alike).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
 # float16 trains only under a dynamic loss scale (run/loss_scale.py); bfloat16 needs none
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

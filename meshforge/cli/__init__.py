@@ -87,7 +87,7 @@ def _world_for(path, overrides: list[str], world: int | None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.sweep:
+    if args.sweep or args.plan:  # --plan is a sweep that launches nothing
         return cmd_sweep(args)
     recipe = _load(args, _env_world(args.nproc))
     if args.quiet:  # no banner, progress or summary: errors still reach stderr, the records everything
@@ -175,7 +175,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 [Problem("--axis", a, "expected KEY=V1,V2, e.g. pp.schedule=1F1B,GPipe")], "sweep"
             )
         axes[key] = values.split(",")
-    run_sweep(str(path), overrides, world, axes, Path(args.sweep_dir) if args.sweep_dir else None, console)
+    sweep_dir = Path(args.sweep_dir) if args.sweep_dir else None
+    run_sweep(str(path), overrides, world, axes, sweep_dir, console, plan_only=args.plan)
     return 0
 
 

@@ -23,6 +23,11 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep-dir", default=None, help="sweep folder (default: <output_dir>/sweep-<recipe>-w<world>)"
     )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print every layout's traced memory estimate and whether it fits; launch nothing",
+    )
 
 
 def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:

@@ -74,6 +74,10 @@ class RunError(MeshforgeError, RuntimeError):
     """The run started and failed; its records and last checkpoint are kept."""
 
 
+class SchedulerError(RunError):
+    """A cluster scheduler's command (sbatch, squeue, sacct) is missing or failed."""
+
+
 class NonFiniteLoss(RunError, FloatingPointError):
     """A non-finite loss or grad norm beyond train.max_bad_steps; the update was not applied."""
 

@@ -1,17 +1,19 @@
 """Sweep one recipe over every valid mesh shape (and policy axes) to find the fastest layout.
 
 W&B's sweep controller needs a server and cannot express dp_replicate*dp_shard*tp*pp ==
-world size, so the grid is built here. Each point is validated (refusals are recorded
-with the reason), checked against the device memory (skips are recorded with the
-estimate), then launched as its own `run_recipe` process with a timeout: a point that
-fails, OOMs or hangs is recorded and the sweep goes on. `sweep.jsonl` is appended point
-by point, so rerunning the same sweep skips the points already finished.
+world size, so the grid is built here. First the plan: every point is validated (refusals
+are recorded with the reason) and its traced estimate computed, all at once on a pool of
+simulated ranks; points that do not fit the device memory are skipped (`--plan` stops
+here, launching nothing). Then each point runs as its own `run_recipe` with a timeout:
+here, one after another, or as a Slurm job (slurm.py), several at once. A point that fails,
+OOMs, hangs or is cancelled is recorded and the sweep goes on. `sweep.jsonl`
+(sweep_record.py) is appended as things happen, so rerunning the same sweep keeps the
+finished points and asks the scheduler again about jobs still queued or running.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -23,14 +25,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Recipe, RecipeError
+from meshforge.configs import Problem, Recipe, RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
-from meshforge.experiments.compare import find_runs
+from meshforge.experiments.slurm import check_commands, run_on_slurm
+from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
 from meshforge.recipe import load_recipe
 from meshforge.run.loggers import wandb_settings
 from meshforge.run.plan import make_plan
-from meshforge.simulate.estimate import trace_pool, traced_estimate
+from meshforge.simulate.estimate import estimate_refusals, estimate_table, heaviest, submit_roles, trace_pool
 
 
 def mesh_shapes(world: int) -> list[dict[str, int]]:
@@ -64,17 +67,6 @@ def sweep_points(world: int, axes: dict[str, list[str]]) -> list[Point]:
     return points
 
 
-def _read_rows(path: Path) -> dict[str, dict]:
-    if not path.is_file():
-        return {}
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[row["label"]] = row  # a later row for a point supersedes an earlier one
-    return rows
-
-
 def _run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
     """Run one point in its own process group; (status, error tail)."""
     with open(log, "w") as f:
@@ -87,27 +79,9 @@ def _run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
             return "hung", f"no result after {timeout}s; stopped"
     if rc == 0:
         return "finished", ""
-    lines = log.read_text(errors="replace").strip().splitlines()
-    # run_recipe's own one-line verdict ("error: rank 1 failed ...: <message>") if there is one
-    verdict = [line for line in lines if line.startswith("error:")] or lines[-1:]
-    message = verdict[-1].removeprefix("error: ")[:500]
+    message = log_verdict(log)
     oom = "out of memory" in message.lower() or "SIGKILL" in message
     return ("oom" if oom else "failed"), message
-
-
-def _measure(run_dir: Path) -> dict:
-    """A finished point's figures, read as `compare` reads them (its steady steps)."""
-    (run,) = find_runs([run_dir])
-    peak_max, peak_min = run.peak_memory()
-    tp = run.throughput()
-    return {
-        "tokens_per_sec": tp["tokens_per_sec"],
-        "tokens_per_sec_per_device": tp["tokens_per_sec_per_device"],
-        "step_time": tp["step_time"],
-        "peak_gib_max": peak_max,
-        "peak_gib_min": peak_min,
-        "final_loss": run.rows[-1]["loss"],
-    }
 
 
 def run_sweep(
@@ -117,66 +91,167 @@ def run_sweep(
     axes: dict[str, list[str]] | None = None,
     sweep_dir: Path | None = None,
     console: Console | None = None,
+    plan_only: bool = False,
 ) -> Path:
     """Sweep `recipe_path` over every mesh of `world` ranks (x the recipe's and `axes`'
-    policy values); returns the sweep folder."""
+    policy values); returns the sweep folder. `plan_only`: print each layout's traced
+    estimate and whether it fits, launch nothing, write nothing."""
     console = console or Console(soft_wrap=True)
+    recipe_path = str(Path(recipe_path).resolve())  # Slurm jobs run it from elsewhere
     base = load_recipe(recipe_path, [*overrides, *_mesh_for(world)], world_size=world)
     sw = base.sweep
     sw.axes = {**sw.axes, **(axes or {})}
-    stem = Path(str(recipe_path)).stem
-    sweep_dir = sweep_dir or Path(base.output_dir) / f"sweep-{stem}-w{world}"
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    stem = Path(recipe_path).stem
+    sweep_dir = (sweep_dir or Path(base.output_dir) / f"sweep-{stem}-w{world}").resolve()
     record = sweep_dir / "sweep.jsonl"
-    done = _read_rows(record)
+    done = {} if plan_only else read_rows(record)
     group = base.logging.wandb_group or f"{stem}/{sweep_dir.name}"
-    points = sweep_points(world, sw.axes)
+    points = select_points(sweep_points(world, sw.axes), sw.only, world)
+    launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
     console.print(
         f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
-        f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies)"
+        f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies), "
+        f"launcher: {launcher}",
+        highlight=False,
     )
-    pool = trace_pool()  # estimate workers for the whole sweep (exiting also stops them)
-    for i, pt in enumerate(points, 1):
-        if done.get(pt.label, {}).get("status") in ("finished", "refused", "skipped"):
-            console.print(f"[{i}/{len(points)}] {pt.label}: {done[pt.label]['status']} earlier, kept")
-            continue
-        row = {"label": pt.label, "mesh": pt.mesh, "policy": pt.policy, "overrides": pt.overrides()}
-        point_overrides = [
-            *overrides,
-            *pt.overrides(),
-            f"train.steps={sw.steps}",
-            f"output_dir={sweep_dir}",
-            f"run_name={pt.label}",
-            f"logging.wandb_group={group}",
-            f"logging.wandb_tags=[sweep,{pt.label}]",
-            "logging.wandb_job_type=sweep-point",
-            "logging.progress=false",
-        ]
-        try:
-            recipe = load_recipe(recipe_path, point_overrides, world_size=world)
-        except RecipeError as e:
-            row.update(status="refused", error="; ".join(str(p) for p in e.problems))
-            _append(record, row, console, i, len(points))
-            continue
-        # the traced estimate (heaviest rank, fake tensors) decides; the analytic one is kept beside it
-        estimate = traced_estimate(recipe, pool)["total"]
-        row["estimate_gib"], row["estimate_bytes"] = round(estimate / GiB, 3), estimate
-        row["analytic_gib"] = round(make_plan(recipe).bytes_per_rank / GiB, 3)
-        if sw.device_memory_gib is not None and estimate > sw.device_memory_gib * GiB:
-            row.update(
-                status="skipped", error=f"estimate {row['estimate_gib']} GiB > {sw.device_memory_gib} GiB"
-            )
-            _append(record, row, console, i, len(points))
-            continue
-        cmd = [sys.executable, "-m", "meshforge.cli", str(recipe_path), *point_overrides]
-        start = time.monotonic()
-        status, error = _run_point(cmd, sw.timeout_s, sweep_dir / f"{pt.label}.log")
-        row.update(status=status, error=error, wall_s=round(time.monotonic() - start, 1))
-        if status == "finished":
-            row.update(_measure(sweep_dir / pt.label))
-        _append(record, row, console, i, len(points))
-    pool.shutdown()
-    rows = list(_read_rows(record).values())
+    if launcher == "slurm":
+        check_commands()
+    if not plan_only:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+    n = len(points)
+    todo, active = [], {}
+    started = time.monotonic()
+    with trace_pool() as pool:
+        planned = []
+        for i, pt in enumerate(points, 1):
+            old = done.get(pt.label, {})
+            if old.get("status") in ("finished", "refused", "skipped"):
+                console.print(f"[{i}/{n}] {pt.label}: {old['status']} earlier, kept")
+            elif old.get("status") in ("queued", "running") and old.get("job_id"):
+                active[old["job_id"]] = (i, old)  # submitted by an earlier run: ask the scheduler again
+            else:
+                planned.append(_plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool))
+        for i, pt, row, recipe, traces in planned:
+            if traces is not None:
+                _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
+            if plan_only:
+                continue
+            if row["status"] in ("refused", "skipped"):
+                append_row(record, row, console, i, n)
+            else:
+                todo.append((i, pt, row, recipe, _command(recipe_path, row)))
+    if plan_only:
+        _print_plan([p[2] for p in planned], sw.device_memory_gib, console)
+        console.print(
+            f"planned {n} points in {time.monotonic() - started:.0f} s; nothing launched", highlight=False
+        )
+        return sweep_dir
+    if launcher == "slurm":
+        run_on_slurm(todo, active, world, sw, sweep_dir, record, console, n)
+    else:
+        for i, pt, row, _, command in todo:
+            start = time.monotonic()
+            status, error = _run_point(command, sw.timeout_s, sweep_dir / f"{pt.label}.log")
+            row.update(status=status, error=error, wall_s=round(time.monotonic() - start, 1))
+            if status == "finished":
+                row.update(measure(sweep_dir / pt.label))
+            append_row(record, row, console, i, n)
+    _report(base, group, sweep_dir, record, console)
+    return sweep_dir
+
+
+def _plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool) -> tuple:
+    """Validate one point and start its traced estimate; (i, point, row, recipe, traces)."""
+    row = {"label": pt.label, "mesh": pt.mesh, "policy": pt.policy, "overrides": pt.overrides()}
+    row["run_overrides"] = [
+        *overrides,
+        *pt.overrides(),
+        f"train.steps={sw.steps}",
+        f"output_dir={sweep_dir}",
+        f"run_name={pt.label}",
+        f"logging.wandb_group={group}",
+        f"logging.wandb_tags=[sweep,{pt.label}]",
+        "logging.wandb_job_type=sweep-point",
+        "logging.progress=false",
+    ]
+    try:
+        recipe = load_recipe(recipe_path, row["run_overrides"], world_size=world)
+    except RecipeError as e:
+        row.update(status="refused", error="; ".join(str(p) for p in e.problems))
+        return i, pt, row, None, None
+    return i, pt, row, recipe, submit_roles(recipe, pool)
+
+
+def _judge_fit(row: dict, recipe: Recipe, traced: dict, device_memory_gib: float | None) -> None:
+    """The traced estimate (heaviest rank, fake tensors) decides; the analytic one is kept beside it."""
+    estimate, plan = traced["total"], make_plan(recipe)
+    row["estimate_gib"], row["estimate_bytes"] = round(estimate / GiB, 3), estimate
+    row["analytic_gib"] = round(plan.bytes_per_rank / GiB, 3)
+    row["traced"] = traced
+    row["analytic"] = {
+        "states": plan.state_bytes_per_rank,
+        "activations": plan.activation_bytes_per_rank,
+        "total": plan.bytes_per_rank,
+    }
+    row["status"] = "planned"
+    if device_memory_gib is not None and estimate > device_memory_gib * GiB:
+        row.update(status="skipped", error=f"estimate {row['estimate_gib']} GiB > {device_memory_gib} GiB")
+
+
+def _print_plan(rows: list[dict], device_memory_gib: float | None, console: Console) -> None:
+    """The plan as `meshforge estimate` prints it: every layout's traced peak, and its fit."""
+    table_rows = [
+        {"layout": r["label"], "refused": r["error"]}
+        if r["status"] == "refused"
+        else {
+            "layout": r["label"],
+            "traced": r["traced"],
+            "analytic": r["analytic"],
+            "total": r["estimate_bytes"],
+        }
+        for r in rows
+    ]
+    table_rows.sort(key=lambda r: r.get("total", float("inf")))
+    memory = device_memory_gib * GiB if device_memory_gib is not None else None
+    out = console if console.is_terminal else Console(width=160)
+    out.print(estimate_table(table_rows, memory))
+    for line in estimate_refusals(table_rows):
+        out.print(line, highlight=False, soft_wrap=True)
+    if memory is None:
+        out.print("fit not judged: set sweep.device_memory_gib (the GPU's memory in GiB)", highlight=False)
+
+
+def _command(recipe_path: str, row: dict) -> list[str]:
+    return [sys.executable, "-m", "meshforge.cli", recipe_path, *row["run_overrides"]]
+
+
+def choose_launcher(launcher: str, world: int, device: str) -> str:
+    """`auto`: Slurm when the world needs more GPUs than this machine has; CPU ranks
+    (gloo processes) always run here."""
+    if launcher != "auto":
+        return launcher
+    import torch
+
+    gpus = torch.cuda.device_count() if device in ("auto", "cuda") and torch.cuda.is_available() else 0
+    return "slurm" if gpus and world > gpus else "local"
+
+
+def select_points(points: list[Point], only: list[str], world: int) -> list[Point]:
+    """The points whose layout is in `sweep.only` (all when empty); an unknown layout is refused."""
+    if not only:
+        return points
+    layouts = [ParallelDims(**m).label() for m in mesh_shapes(world)]
+    unknown = [label for label in only if label not in layouts]
+    if unknown:
+        raise RecipeError(
+            [Problem("sweep.only", unknown, f"not layouts of {world} ranks; valid: {', '.join(layouts)}")],
+            "sweep",
+        )
+    return [p for p in points if ParallelDims(**p.mesh).label() in only]
+
+
+def _report(base: Recipe, group: str, sweep_dir: Path, record: Path, console: Console) -> None:
+    rows = list(read_rows(record).values())
     (console if console.is_terminal else Console(width=150)).print(summary_table(rows))
     for r in rows:
         if r["status"] != "finished":
@@ -189,21 +264,11 @@ def run_sweep(
             highlight=False,
         )
     _log_wandb_table(base, group, rows, sweep_dir)
-    return sweep_dir
 
 
 def _mesh_for(world: int) -> list[str]:
     # the base recipe is validated on a 1-D mesh of `world`; each point sets its own
     return ParallelDims(dp_shard=world).overrides()
-
-
-def _append(record: Path, row: dict, console: Console, i: int, n: int) -> None:
-    with open(record, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    extra = (
-        f"{row['tokens_per_sec']:,.0f} tok/s" if row["status"] == "finished" else row.get("error", "")[:160]
-    )
-    console.print(f"[{i}/{n}] {row['label']}: {row['status']} {extra}", highlight=False)
 
 
 def rank_rows(rows: list[dict]) -> list[dict]:

@@ -4,6 +4,7 @@ config and hyperparameters, the terminal's banner, and opening the run's records
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from meshforge.configs import Recipe, recipe_to_dict, recipe_to_toml
@@ -23,7 +24,19 @@ def run_info(recipe: Recipe, dims: ParallelDims, device: str, n_params: int, **e
         "world_size": dims.world_size,
         "device": device,
         "n_params": n_params,
+        "launch": launch_info(),
         **extra,
+    }
+
+
+def launch_info() -> dict:
+    """How the ranks were started: torchrun's node count (its agents, GROUP_WORLD_SIZE) and
+    ranks per node, and the Slurm job when there is one."""
+    env = os.environ
+    return {
+        "nodes": int(env.get("GROUP_WORLD_SIZE", 1)),
+        "ranks_per_node": int(env.get("LOCAL_WORLD_SIZE", 1)),
+        "slurm_job_id": env.get("SLURM_JOB_ID"),
     }
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -53,9 +52,6 @@ from meshforge.run.record import RunState, StepTime, Throughput, exclusion, summ
 from meshforge.run.state import ModelState, OptimizerState
 from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 from meshforge.run.watch import LAUNCHED_ENV
-
-# Our blocks add to the embedding output out of place, the case this warning is about.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
 
 class Trainer:

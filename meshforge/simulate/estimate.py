@@ -125,17 +125,19 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
 
 def traced_estimate(recipe: Recipe, pool=None) -> dict:
     """The heaviest role's categories, with `rank` saying which global rank it is."""
-    return _heaviest(_submit_roles(recipe, pool))
+    return heaviest(submit_roles(recipe, pool))
 
 
-def _submit_roles(recipe: Recipe, pool) -> list:
+def submit_roles(recipe: Recipe, pool) -> list:
+    """One trace per distinct role of the mesh, started on `pool` (or run here without one);
+    `heaviest` collects them, so many recipes' traces can run at once."""
     ranks = ParallelDims.from_config(recipe.mesh).role_ranks()
     if pool is None:
         return [(rank, trace_rank(recipe, rank)) for rank in ranks]
     return [(rank, pool.submit(trace_rank, recipe, rank)) for rank in ranks]
 
 
-def _heaviest(results: list) -> dict:
+def heaviest(results: list) -> dict:
     per_role = [dict(r.result() if hasattr(r, "result") else r, rank=rank) for rank, r in results]
     return max(per_role, key=lambda p: p["total"])
 
@@ -166,9 +168,9 @@ def estimate_rows(
             }
             rows.append(row)
             if traced:
-                pending.append((row, _submit_roles(recipe, pool)))
+                pending.append((row, submit_roles(recipe, pool)))
         for row, results in pending:
-            row["traced"] = _heaviest(results)
+            row["traced"] = heaviest(results)
     for row in rows:
         if "analytic" in row:
             row["total"] = row["traced"]["total"] if "traced" in row else row["analytic"]["total"]
