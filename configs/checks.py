@@ -48,13 +48,15 @@ def check_enums(r: Recipe) -> list[Problem]:
         "train.device": (r.train.device, ("auto", "cpu", "cuda")),
         "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
         "activation_checkpoint.mode": (r.activation_checkpoint.mode, ("none", "full", "selective")),
-        "data.source": (r.data.source, ("synthetic", "text", "hf")),
-        "data.hf_format": (r.data.hf_format, ("text", "json", "parquet")),
+        "data.source": (r.data.source, ("synthetic", "files", "hf")),
+        "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
         "optimizer.name": (r.optimizer.name, ("adamw",)),
         "optimizer.implementation": (r.optimizer.implementation, ("fused", "foreach", "for-loop")),
         "backend": (r.backend, ("torch", "jax")),
         "sweep.launcher": (r.sweep.launcher, ("auto", "local", "slurm")),
     }
+    if r.data.format is not None:
+        choices["data.format"] = (r.data.format, ("json", "parquet", "text"))
     if r.logging.wandb_mode is not None:
         choices["logging.wandb_mode"] = (r.logging.wandb_mode, ("online", "offline", "disabled"))
     return choice_problems(choices)
@@ -256,20 +258,28 @@ def check_ranges(r: Recipe) -> list[Problem]:
 def check_data(r: Recipe) -> list[Problem]:
     d, c = r.data, r.checkpoint
     problems = []
-    if d.source == "text" and not d.path:
+    if d.source == "files" and not d.path:
         problems.append(
             Problem(
-                "data.path", d.path, "data.source='text' needs a glob of local text files, e.g. 'data/*.txt'"
+                "data.path", d.path, "data.source='files' needs a glob of local files, e.g. 'corpus/*.jsonl'"
             )
         )
-    if d.source == "hf" and not (d.path or d.hf_dataset):
-        problems.append(
-            Problem(
-                "data.path",
-                d.path,
-                "data.source='hf' needs data.path (local json/parquet/text files) or data.hf_dataset",
-            )
-        )
+    if d.source == "hf" and not d.hf_dataset:
+        problems.append(Problem("data.hf_dataset", d.hf_dataset, "data.source='hf' needs a dataset name"))
+    # a setting the chosen source would ignore is refused, never dropped silently
+    ignored = {
+        "data.path": d.path if d.source != "files" else None,
+        "data.hf_dataset": d.hf_dataset if d.source != "hf" else None,
+        "data.hf_config": d.hf_config if d.source != "hf" else None,
+        "data.format": d.format if d.source != "files" else None,
+    }
+    problems += [
+        Problem(name, value, f"is not read by data.source = {d.source!r}; remove it or change data.source")
+        for name, value in ignored.items()
+        if value is not None
+    ]
+    if d.shuffle_windows < 0:
+        problems.append(Problem("data.shuffle_windows", d.shuffle_windows, "must be >= 0 (0 = stream order)"))
     if c.init_from_hf and c.init_from:
         problems.append(
             Problem(

@@ -155,12 +155,26 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = F("synthetic", "synthetic (seeded Markov source) | text (local files) | hf (HF datasets)")
-    path: Optional[str] = F(None, "text: glob of local files; hf: local data files (json/parquet/text) glob")
-    hf_dataset: Optional[str] = F(None, "hf: dataset name on the hub (needs a network); or use path")
-    hf_format: str = F("text", "hf with path: loader format: text | json | parquet")
-    text_column: str = F("text", "hf: column with the text")
-    tokenizer: str = F("byte", "byte (no download) | path to a HuggingFace tokenizer.json")
+    source: str = F(
+        "synthetic",
+        "synthetic (seeded Markov source) | files (local jsonl/parquet/text by glob) | "
+        "hf (an HF dataset, streamed)",
+    )
+    path: Optional[str] = F(None, "files: glob of local files, e.g. 'corpus/*.jsonl'")
+    format: Optional[str] = F(None, "files: json | parquet | text; None = from the files' extension")
+    text_sample_by: str = F(
+        "document", "files of plain text: a record is a document (file) | paragraph | line"
+    )
+    hf_dataset: Optional[str] = F(None, "hf: dataset name on the hub (or a local dataset folder), streamed")
+    hf_config: Optional[str] = F(None, "hf: the dataset's config (subset) name, e.g. sample-10BT")
+    split: str = F("train", "hf: the split to train on")
+    text_column: str = F("text", "files/hf: the records' field holding the document's text")
+    tokenizer: str = F(
+        "byte", "byte (UTF-8 + BOS/EOS, 258 tokens) | an HF tokenizer folder or tokenizer.json | a hub id"
+    )
+    shuffle_windows: int = F(
+        0, "files/hf: shuffle windows within blocks of this many (seeded by data.seed); 0 = off"
+    )
     markov_branching: int = F(4, "synthetic: successors per token (lower = easier, lower floor)")
     seed: int = F(1234, "seed of the data stream (independent of the model seed)")
 

@@ -134,11 +134,11 @@ def export_hf(checkpoint: Path, out: Path, max_shard_bytes: int | None = None) -
     kw = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
     save_hf_shards(pairs(), interop.hf_config(args, dtype), out, **kw)
     tokenizer = meta["recipe"]["data"].get("tokenizer")
-    if tokenizer and tokenizer != "byte" and Path(tokenizer).is_file():
+    if tokenizer and tokenizer != "byte" and Path(tokenizer).exists():  # a tokenizer.json or its folder
+        folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
         for name in TOKENIZER_FILES:
-            src = Path(tokenizer) if name == "tokenizer.json" else Path(tokenizer).parent / name
-            if src.is_file():
-                shutil.copyfile(src, out / name)
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
     return out
 
 

@@ -116,9 +116,13 @@ def check_shapes(r: Recipe, args, dims: ParallelDims | None) -> list[Problem]:
                 f"exceeds model max_seq_len={args.max_seq_len}; lower it or raise model.max_seq_len",
             )
         )
-    if r.data.tokenizer == "byte" and r.data.source != "synthetic" and args.vocab_size < 256:
+    if r.data.tokenizer == "byte" and r.data.source != "synthetic" and args.vocab_size < 258:
         problems.append(
-            Problem("model.vocab_size", args.vocab_size, "the byte tokenizer needs vocab_size >= 256")
+            Problem(
+                "model.vocab_size",
+                args.vocab_size,
+                "the byte tokenizer (with BOS/EOS) needs vocab_size >= 258",
+            )
         )
     if dims is not None and dims.tp_enabled and r.tp.sequence_parallel and r.train.seq_len % dims.tp:
         tp, seq = dims.tp, r.train.seq_len

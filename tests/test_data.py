@@ -1,14 +1,10 @@
-"""Data sources: a learnable synthetic source with a known floor, local text, HF tokenizer/datasets."""
+"""The synthetic source (a known floor) and its index-addressed loader; corpora are in test_corpus.py."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
 import torch
 
-from meshforge.configs.schema import DataConfig
-from meshforge.run.data import ByteTokenizer, MarkovSource, ShardedLoader, build_source
+from meshforge.run.data import MarkovSource, ShardedLoader
 
 
 def test_markov_floor_is_the_true_models_cross_entropy():
@@ -79,46 +75,3 @@ def test_labels_are_inputs_shifted_by_one():
     src = MarkovSource(vocab_size=32, seq_len=8, seed=1)
     b = ShardedLoader(src, micro_batch=2, grad_accum=1).next_step()[0]
     assert torch.equal(b.inputs[:, 1:], b.labels[:, :-1])
-
-
-def test_local_text_files_with_the_byte_tokenizer(tmp_path):
-    (tmp_path / "a.txt").write_text("hello world " * 50)
-    (tmp_path / "b.txt").write_text("héllo wörld " * 50)
-    src = build_source(DataConfig(source="text", path=str(tmp_path / "*.txt")), vocab_size=256, seq_len=32)
-    batch = src.batch(range(src.n_windows + 3))  # wraps into a reshuffled second epoch
-    assert batch.shape == (src.n_windows + 3, 33)
-    text = ByteTokenizer().decode(src.tokens.tolist())
-    assert "héllo wörld" in text and "hello world" in text
-    with pytest.raises(FileNotFoundError, match="matches no files"):
-        build_source(DataConfig(source="text", path=str(tmp_path / "*.md")), 256, 32)
-
-
-def _train_tokenizer(tmp_path, corpus):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"]))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return path, tok.get_vocab_size()
-
-
-def test_hf_tokenizer_json_and_local_datasets(tmp_path):
-    pytest.importorskip("datasets")
-    corpus = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)]
-    tok_path, vocab = _train_tokenizer(tmp_path, corpus)
-    rows = tmp_path / "train.jsonl"
-    rows.write_text("\n".join(json.dumps({"content": t}) for t in corpus))
-    cfg = DataConfig(
-        source="hf", path=str(rows), hf_format="json", text_column="content", tokenizer=str(tok_path)
-    )
-    src = build_source(cfg, vocab_size=vocab, seq_len=16)
-    assert src.batch([0, 1]).shape == (2, 17)
-    assert int(src.tokens.max()) < vocab
-    with pytest.raises(ValueError, match=f"set model.vocab_size={vocab}"):
-        build_source(cfg, vocab_size=vocab - 1, seq_len=16)
-    with pytest.raises(KeyError, match="data.text_column"):
-        build_source(
-            DataConfig(source="hf", path=str(rows), hf_format="json", tokenizer=str(tok_path)), vocab, 16
-        )

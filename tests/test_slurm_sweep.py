@@ -254,3 +254,20 @@ def test_plan_prints_every_layout_and_launches_nothing(tmp_path):
     assert set(fits.values()) == {"yes", "no"}  # the limit splits them
     assert "planned 10 points" in text and "nothing launched" in text
     assert not (tmp_path / "sweep-debug_cpu-w4").exists()
+
+
+def test_auto_launcher_goes_to_slurm_only_when_the_world_needs_more_gpus(monkeypatch):
+    import torch
+
+    from meshforge.experiments.sweep import choose_launcher, select_points, sweep_points
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert choose_launcher("auto", 16, "cuda") == "slurm"
+    assert choose_launcher("auto", 8, "cuda") == "local"
+    assert choose_launcher("auto", 16, "cpu") == "local"  # gloo ranks always run here
+    assert choose_launcher("local", 16, "cuda") == "local" and choose_launcher("slurm", 2, "cpu") == "slurm"
+    points = sweep_points(4, {"pp.schedule": ["1F1B", "GPipe"]})
+    assert [p.label for p in select_points(points, ["dp4"], 4)] == ["dp4-schedule=1F1B", "dp4-schedule=GPipe"]
+    with pytest.raises(RecipeError, match=r"sweep.only = \['dp3'\]: not layouts of 4 ranks; valid: pp4, "):
+        select_points(points, ["dp3"], 4)

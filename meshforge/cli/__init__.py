@@ -102,14 +102,18 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     """Plan, check the machine, set an earlier run's records aside, then train: here, through
     the local launcher, under torchrun, or in JAX."""
     from meshforge.core.errors import MachineError
+    from meshforge.run.corpus_loader import check_data
     from meshforge.run.distributed import pick_device_type, under_torchrun
     from meshforge.run.plan import check_machine, make_plan
 
     plan = make_plan(recipe)
+    data = check_data(recipe, plan.args.vocab_size)  # nothing downloaded; bad data settings stop here
     if dry_run:
         table = Table(title=f"plan: {recipe.run_name}", show_header=False)
         for k, v in plan.rows(recipe):
             table.add_row(k, v)
+        for line in data:
+            table.add_row("data", line)
         wide(console).print(table)
         return 0
     world = plan.dims.world_size

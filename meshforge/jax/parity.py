@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from rich.console import Console
@@ -11,7 +12,7 @@ from meshforge.configs import Recipe
 from meshforge.jax.bridge import run_parity, sharpen
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.run.checkpoint import load_full_model
-from meshforge.run.data import ShardedLoader, build_source
+from meshforge.run.corpus_loader import build_loader
 
 
 def print_parity(
@@ -37,8 +38,11 @@ def print_parity(
     if factor != 1.0:
         sharpen(model, factor)
         what += f", attention/output weights x{factor:g}"
-    data = build_source(recipe.data, margs.vocab_size, min(seq_len, margs.max_seq_len))
-    tokens = ShardedLoader(data, samples, 1).next_step()[0].inputs
+    sample = copy.deepcopy(recipe)
+    sample.train.seq_len = min(seq_len, margs.max_seq_len)
+    loader = build_loader(sample, margs.vocab_size, micro=samples)
+    tokens = loader.next_step()[0].inputs
+    loader.close()
     result = run_parity(model.eval(), margs, tokens, dtype)
     ok = result.within(dtype)
     table = Table(title=f"parity torch vs JAX ({dtype}): {what}; {tokens.numel()} tokens")

@@ -30,7 +30,8 @@ from meshforge.core.topology import ParallelDims
 from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.run.console import RunConsole
-from meshforge.run.data import ShardedLoader, build_source, loss_floor
+from meshforge.run.corpus_loader import build_loader
+from meshforge.run.data import loss_floor
 from meshforge.run.describe import banner, open_run, run_info
 from meshforge.run.distributed import DistEnv
 from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
@@ -88,8 +89,7 @@ class JaxTrainer:
         self.opt_state = self.tx.init(self.params)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(("dp_replicate", "dp_shard")))
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
-        self.source = build_source(r.data, args.vocab_size, r.train.seq_len)
-        self.loader = ShardedLoader(self.source, r.train.global_batch_size, 1)
+        self.loader = build_loader(r, args.vocab_size, micro=r.train.global_batch_size)
         peak = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None
         self.throughput = Throughput(
             flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu"
@@ -100,7 +100,7 @@ class JaxTrainer:
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
 
     def summary(self) -> dict:
-        return summarize(self.state, self.throughput, loss_floor(self.source))
+        return summarize(self.state, self.throughput, loss_floor(self.loader))
 
     def _train_step(self, params, opt_state, tokens, labels):
         args, max_norm = self.model_args, self.recipe.train.max_norm
@@ -132,7 +132,7 @@ class JaxTrainer:
         specs = {k: str(s.spec) for k, s in self.shardings.items()}
         versions = {"jax": jax.__version__, "optax": optax.__version__}
         info = run_info(r, self.dims, jax.default_backend(), self.n_params, backend="jax", param_specs=specs)
-        about = banner(r, self.dims, self.n_params, "cpu", None, loss_floor(self.source))
+        about = banner(r, self.dims, self.n_params, "cpu", None, loss_floor(self.loader))
         record, loggers = open_run(r, self.dims, {**info, "versions": versions}, console, about)
         console.start(about, self.run_dir, loggers.paths().get("wandb"))
         status = "failed"

@@ -183,7 +183,7 @@ class Checkpointer:
         path = resolve_load(c.load, self.folder) if c.load else None
         if path is not None:
             meta = self.load(path)
-            loader.load_state_dict({"position": meta["data_position"]})
+            loader.restore_from(meta)
             for sched in schedulers:
                 sched.load_state_dict(meta["lr_scheduler"])
             if scaler.enabled and meta.get("loss_scale"):  # an fp32/bf16 checkpoint has none

@@ -1,24 +1,23 @@
-"""Data: token sources addressed by a global sample index, and a dp-sharded loader.
+"""The synthetic source, addressed by a global sample index, and its dp-sharded loader.
 
-A source maps a global sample index to `seq_len + 1` tokens, deterministically. The
+The source maps a global sample index to `seq_len + 1` tokens, deterministically. The
 loader's only state is the next global index, so the stream is the same whatever the
-data-parallel degree, and a run can continue it exactly on another mesh.
+data-parallel degree, and a run can continue it exactly on another mesh. Real corpora are
+streamed per dp rank instead (run/corpus.py).
 """
 
 from __future__ import annotations
 
-import glob
 from bisect import bisect_left
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from meshforge.configs.schema import DataConfig
-from meshforge.core.errors import DataError, DataNotFound, MissingColumn
+from meshforge.core.errors import CheckpointError, DataError
 from meshforge.core.seeding import seeded_generator
 
 
@@ -108,109 +107,11 @@ class MarkovSource:
         return torch.tensor(out, dtype=torch.long)
 
 
-class TokenWindows:
-    """A token stream cut into `seq_len + 1` windows (stride seq_len), reshuffled each epoch."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0):
-        self.tokens, self.seq_len, self.seed = tokens.long(), seq_len, seed
-        self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < 1:
-            raise DataError(
-                f"{len(tokens)} tokens cannot fill one sample of seq_len={seq_len}+1; "
-                "add data or lower train.seq_len"
-            )
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _window(self, index: int) -> int:
-        epoch, i = divmod(index, self.n_windows)
-        if epoch not in self._perms:
-            self._perms = {
-                epoch: torch.randperm(self.n_windows, generator=seeded_generator(self.seed, epoch))
-            }
-        return int(self._perms[epoch][i])
-
-    def batch(self, indices: Sequence[int]) -> torch.Tensor:
-        starts = [self._window(i) * self.seq_len for i in indices]
-        return torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])
-
-
-# --- tokenizers -------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: no vocabulary file, nothing to download."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A HuggingFace `tokenizer.json` (the tokenizers library; read from a local file)."""
-
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids))
-
-
-def build_tokenizer(spec: str):
-    if spec == "byte":
-        return ByteTokenizer()
-    if not Path(spec).is_file():
-        raise DataNotFound(f"data.tokenizer = {spec!r}: no such tokenizer.json; use 'byte' or a local path")
-    return HFTokenizer(spec)
-
-
-# --- sources from the recipe ------------------------------------------------------
-
-
-def _expand(pattern: str) -> list[str]:
-    files = sorted(glob.glob(pattern, recursive=True))
-    if not files:
-        raise DataNotFound(f"data.path = {pattern!r} matches no files; check the glob")
-    return files
-
-
-def _texts(cfg: DataConfig) -> list[str]:
-    if cfg.source == "text":
-        return [Path(f).read_text(encoding="utf-8", errors="replace") for f in _expand(cfg.path)]
-    import datasets  # optional extra: meshforge[hf]
-
-    if cfg.path:
-        ds = datasets.load_dataset(cfg.hf_format, data_files=_expand(cfg.path), split="train")
-    else:
-        ds = datasets.load_dataset(cfg.hf_dataset, split="train")
-    if cfg.text_column not in ds.column_names:
-        raise MissingColumn(
-            f"data.text_column = {cfg.text_column!r} not in the dataset's columns {ds.column_names}"
-        )
-    return list(ds[cfg.text_column])
-
-
-def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> TokenSource:
-    """The recipe's token source. Text is tokenized once, documents joined by a blank line."""
-    if cfg.source == "synthetic":
-        return MarkovSource(vocab_size, seq_len, cfg.markov_branching, cfg.seed)
-    tok = build_tokenizer(cfg.tokenizer)
-    if tok.vocab_size > vocab_size:
-        raise DataError(
-            f"tokenizer has {tok.vocab_size} tokens but model.vocab_size = {vocab_size}; "
-            f"set model.vocab_size={tok.vocab_size}"
-        )
-    ids = tok.encode("\n\n".join(_texts(cfg)))
-    return TokenWindows(torch.tensor(ids, dtype=torch.long), seq_len, cfg.seed)
+def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovSource:
+    """The synthetic source; corpora are streamed per dp rank instead (run/corpus.py)."""
+    if cfg.source != "synthetic":
+        raise DataError(f"data.source = {cfg.source!r} is a corpus: read it with run.corpus.build_loader")
+    return MarkovSource(vocab_size, seq_len, cfg.markov_branching, cfg.seed)
 
 
 @dataclass
@@ -269,22 +170,32 @@ class ShardedLoader:
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
 
+    def checkpoint_state(self) -> dict:
+        """meta.json's data entry: one global index serves every dp degree."""
+        return {"data_position": self.position}
+
+    def restore_from(self, meta: dict) -> None:
+        if "data_position" not in meta:
+            raise CheckpointError(
+                "the checkpoint holds a corpus position and this recipe reads the synthetic source: "
+                "start from its weights instead (checkpoint.init_from=<its folder>)"
+            )
+        self.load_state_dict({"position": meta["data_position"]})
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._ahead = None, None
 
 
-def loss_floor(source: TokenSource) -> float | None:
-    """The source's entropy rate (nats/token) where it is known."""
+def loss_floor(loader) -> float | None:
+    """The entropy rate (nats/token) of the loader's source where it is known (synthetic)."""
+    source = getattr(loader, "source", None)
     return source.entropy_rate() if isinstance(source, MarkovSource) else None
 
 
 __all__ = [
     "MarkovSource",
-    "TokenWindows",
-    "ByteTokenizer",
-    "HFTokenizer",
     "build_source",
     "ShardedLoader",
     "Batch",

@@ -29,7 +29,8 @@ from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run import distributed as mfdist
 from meshforge.run.checkpoint import Checkpointer
 from meshforge.run.console import RunConsole
-from meshforge.run.data import ShardedLoader, build_source, loss_floor
+from meshforge.run.corpus_loader import build_loader
+from meshforge.run.data import loss_floor
 from meshforge.run.describe import banner, draw_breakdown, draw_pipeline, log_final, open_run, run_info
 from meshforge.run.flops import device_peak_flops, flops_per_token
 from meshforge.run.forward_backward import ForwardBackward
@@ -104,15 +105,8 @@ class Trainer:
 
         # data: this rank's dp coordinate decides its slice of every global batch
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
-        self.source = build_source(r.data, self.model_args.vocab_size, r.train.seq_len)
-        self.loader = ShardedLoader(
-            self.source,
-            r.train.micro_batch_size,
-            r.train.grad_accum_steps,
-            dp_rank,
-            self.dims.dp,
-            prefetch=True,
-        )
+        dp_group = self.meshes.dp.get_group() if self.dims.dp > 1 else None
+        self.loader = build_loader(r, self.model_args.vocab_size, dp_rank, self.dims.dp, dp_group)
 
         ids, n_stages = self.pmodel.stage_ids, self.dims.pp * r.pp.stages_per_rank
         self.forward_backward = ForwardBackward(
@@ -174,7 +168,7 @@ class Trainer:
     def _checkpoint_meta(self, step: int, run_id: str | None) -> dict:
         return {
             "step": step,
-            "data_position": self.loader.position,
+            **self.loader.checkpoint_state(),  # a corpus gathers every dp rank's position (a collective)
             "lr_scheduler": self.schedulers[0].state_dict(),
             "loss_scale": self.scaler.state_dict() if self.scaler.enabled else None,
             "run_id": run_id,
@@ -242,7 +236,7 @@ class Trainer:
         if env.is_main:
             info = run_info(r, self.dims, env.device.type, self.n_params, pipeline_layout=self._layout())
             about = banner(
-                r, self.dims, self.n_params, env.device.type, self._layout(), loss_floor(self.source)
+                r, self.dims, self.n_params, env.device.type, self._layout(), loss_floor(self.loader)
             )
             record, loggers = open_run(r, self.dims, info, console, about, self.resumed)
             console.start(about, self.run_dir, loggers.paths().get("wandb"))
@@ -362,7 +356,7 @@ class Trainer:
 
     def summary(self) -> dict:
         fp16 = self.scaler.metrics(self.scaler.scale)  # the final scale and overflow count (fp16)
-        return {**summarize(self.state, self.throughput, loss_floor(self.source)), **fp16}
+        return {**summarize(self.state, self.throughput, loss_floor(self.loader)), **fp16}
 
 
 def train(recipe: Recipe) -> RunState:
