@@ -255,6 +255,49 @@ def check_ranges(r: Recipe) -> list[Problem]:
     return [Problem(name, value, fix) for name, value, ok, fix in checks if not ok]
 
 
+def check_eval(r: Recipe) -> list[Problem]:
+    """A held-out set that is really held out, where evaluation is implemented."""
+    e, d = r.eval, r.data
+    if e.every < 0 or e.batches < 1:
+        bad = (
+            ("eval.every", e.every, "must be >= 0")
+            if e.every < 0
+            else ("eval.batches", e.batches, "must be >= 1")
+        )
+        return [Problem(*bad)]
+    if not e.every:
+        return []
+    held_out = {
+        "files": ("eval.path", e.path, "a glob of held-out files"),
+        "hf": ("eval.split", e.split, "a split"),
+    }
+    problems = []
+    if d.source in held_out and not held_out[d.source][1]:
+        name, value, what = held_out[d.source]
+        problems.append(
+            Problem(name, value, f"data.source={d.source!r} evaluates on {what}, never on training data")
+        )
+    unread = {
+        "eval.path": e.path if d.source != "files" else None,
+        "eval.split": e.split if d.source != "hf" else None,
+    }
+    problems += [
+        Problem(k, v, f"is not read with data.source = {d.source!r}") for k, v in unread.items() if v
+    ]
+    if r.mesh.pp > 1:
+        problems.append(
+            Problem(
+                "eval.every",
+                e.every,
+                "evaluation under pipeline parallelism (mesh.pp > 1) is not "
+                "implemented yet; set eval.every=0 or mesh.pp=1",
+            )
+        )
+    if r.backend == "jax":
+        problems.append(Problem("eval.every", e.every, "backend=jax does not evaluate yet; set eval.every=0"))
+    return problems
+
+
 def check_data(r: Recipe) -> list[Problem]:
     d, c = r.data, r.checkpoint
     problems = []
@@ -278,6 +321,7 @@ def check_data(r: Recipe) -> list[Problem]:
         for name, value in ignored.items()
         if value is not None
     ]
+    problems += check_eval(r)
     if d.shuffle_windows < 0:
         problems.append(Problem("data.shuffle_windows", d.shuffle_windows, "must be >= 0 (0 = stream order)"))
     if c.init_from_hf and c.init_from:

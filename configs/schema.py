@@ -180,6 +180,14 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = F(0, "evaluate every N steps and after the last one; 0 = no evaluation")
+    batches: int = F(4, "global batches per evaluation (the same held-out ones every time)")
+    path: Optional[str] = F(None, "data.source=files: held-out files (a glob), never the training files")
+    split: Optional[str] = F(None, "data.source=hf: the held-out split, e.g. 'validation'")
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = F(1, "log metrics every N steps")
     tensorboard: bool = F(True, "write TensorBoard events next to metrics.jsonl")
@@ -278,6 +286,7 @@ class Recipe:
     lr_scheduler: LRSchedulerConfig = F(LRSchedulerConfig(), "learning-rate schedule")
     train: TrainConfig = F(TrainConfig(), "the training loop")
     data: DataConfig = F(DataConfig(), "the data stream")
+    eval: EvalConfig = F(EvalConfig(), "held-out evaluation: eval/loss and eval/perplexity")
     logging: LoggingConfig = F(LoggingConfig(), "loggers")
     checkpoint: CheckpointConfig = F(CheckpointConfig(), "checkpoints")
     sweep: SweepConfig = F(SweepConfig(), "mesh-shape sweeps (run_recipe --sweep)")

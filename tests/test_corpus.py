@@ -215,7 +215,8 @@ def test_a_position_for_another_corpus_is_refused(jsonl):
 def test_training_on_a_corpus_resumes_with_the_next_token(tmp_path):
     """dp 2 on 8 jsonl files (4 per rank), shuffled blocks: a run resumed from its step-3
     checkpoint logs the uninterrupted run's losses for steps 4-6 exactly (same mesh: the same
-    windows, none twice, none skipped), and the checkpoint holds both ranks' positions."""
+    windows, none twice, none skipped), and the checkpoint holds both ranks' positions; the
+    held-out files' eval loss falls and is the same after the resume."""
     from conftest import QUICK, RECIPES, read_metrics, run_cli
 
     corpus = tmp_path / "corpus"
@@ -226,9 +227,16 @@ def test_training_on_a_corpus_resumes_with_the_next_token(tmp_path):
             for i in range(40)
         ]
         (corpus / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    for f in range(2):  # one held-out file per dp rank
+        rows = [{"text": f"held out {f}.{i}: " + "the quick brown fox " * (1 + i % 5)} for i in range(30)]
+        (held_out / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [
         str(RECIPES / "debug_cpu.toml"),
         *QUICK,
+        "eval.every=3",
+        f"eval.path={held_out}/*.jsonl",
         "mesh.dp_shard=2",
         "mesh.tp=1",
         "mesh.pp=1",
@@ -252,6 +260,9 @@ def test_training_on_a_corpus_resumes_with_the_next_token(tmp_path):
     again = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed")}
     assert sorted(again) == [4, 5, 6] and all(again[s] == losses[s] for s in again), (losses, again)
     assert losses[6] < losses[1]  # it learns the corpus
+    evals = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path / "whole") if "eval/loss" in r}
+    evals_again = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path / "resumed") if "eval/loss" in r}
+    assert sorted(evals) == [3, 6] and evals_again == {6: evals[6]} and evals[6] < evals[3]
 
 
 def test_the_stream_runs_on_from_block_to_block(jsonl):

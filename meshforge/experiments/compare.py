@@ -132,6 +132,7 @@ def comparison_table(runs: list[Run]) -> Table:
         "peak mem max/min GiB",
         "final loss",
         f"loss @ step {common}",
+        "eval loss (ppl)",
     ]
     for c in cols:
         table.add_column(c)
@@ -141,6 +142,8 @@ def comparison_table(runs: list[Run]) -> Table:
         tps, step_time, per_device, tflops = (tp[k] for k in THROUGHPUT_KEYS)
         mx, mn = r.peak_memory()
         at_common = next((x["loss"] for x in r.rows if x["step"] == common), None)
+        evaluated = [x for x in r.rows if "eval/loss" in x]  # the last evaluation, at its step
+        ev = evaluated[-1] if evaluated else None
         table.add_row(
             r.name,
             r.layout,
@@ -154,6 +157,7 @@ def comparison_table(runs: list[Run]) -> Table:
             f"{mx:.2f}/{mn:.2f}" if mx is not None else "",
             f"{r.rows[-1]['loss']:.4f}" if r.rows else "",
             f"{at_common:.4f}" if at_common is not None else "",
+            f"{ev['eval/loss']:.4f} ({ev['eval/perplexity']:.1f}) @ {ev['step']}" if ev else "",
         )
     return table
 

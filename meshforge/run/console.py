@@ -145,6 +145,10 @@ class RunConsole:
         rows = [("steps", str(s["steps"]))]
         if "final_loss" in s:
             rows += [("final loss", f"{s['final_loss']:.4f}"), ("best loss", f"{s['best_loss']:.4f}")]
+        if "eval_loss" in s:
+            rows.append(
+                ("eval loss", f"{s['eval_loss']:.4f} (perplexity {s['eval_perplexity']:.2f}, held out)")
+            )
         if "loss_floor" in s:
             rows.append(("loss floor", f"{s['loss_floor']:.4f} (entropy of the synthetic source)"))
         if "tokens_per_sec" in s:

@@ -50,6 +50,17 @@ class ForwardBackward:
             total += ce.full_tensor() if isinstance(ce, DTensor) else ce
         return total
 
+    @torch.no_grad()
+    def evaluate(self, batches: list) -> torch.Tensor:
+        """This rank's CE sum over `batches`, forward only, on the whole model (evaluation under
+        pipeline parallelism is refused at validation)."""
+        total = torch.zeros((), device=self.device)
+        for b in batches:
+            with self.policy.context(self.device.type):
+                ce = cross_entropy_sum(self.parts[0](b.inputs.to(self.device)), b.labels.to(self.device))
+            total += ce.full_tensor() if isinstance(ce, DTensor) else ce
+        return total
+
     def _one(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         if self.schedule is not None:
             self.phase = "forward/backward (pipeline schedule)"

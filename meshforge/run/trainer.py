@@ -29,9 +29,9 @@ from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run import distributed as mfdist
 from meshforge.run.checkpoint import Checkpointer
 from meshforge.run.console import RunConsole
-from meshforge.run.corpus_loader import build_loader
 from meshforge.run.data import loss_floor
 from meshforge.run.describe import banner, draw_breakdown, draw_pipeline, log_final, open_run, run_info
+from meshforge.run.evaluate import data_streams
 from meshforge.run.flops import device_peak_flops, flops_per_token
 from meshforge.run.forward_backward import ForwardBackward
 from meshforge.run.guards import BadStepBudget, StopSignals
@@ -103,10 +103,8 @@ class Trainer:
         self.schedulers = [build_lr_scheduler(opt, r.train.steps, r.lr_scheduler) for opt in self.optimizers]
         self.scaler = LossScaler(r.loss_scale, enabled=r.fsdp.param_dtype == "float16")
 
-        # data: this rank's dp coordinate decides its slice of every global batch
-        dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
-        dp_group = self.meshes.dp.get_group() if self.dims.dp > 1 else None
-        self.loader = build_loader(r, self.model_args.vocab_size, dp_rank, self.dims.dp, dp_group)
+        vocab = self.model_args.vocab_size
+        self.loader, self.evaluator = data_streams(r, vocab, self.meshes, self.dims, self.env.device)
 
         ids, n_stages = self.pmodel.stage_ids, self.dims.pp * r.pp.stages_per_rank
         self.forward_backward = ForwardBackward(
@@ -249,6 +247,8 @@ class Trainer:
                 step_end = time.perf_counter()
                 for step in range(self.start_step + 1, r.train.steps + 1):
                     out, tracked = self._step(step, loggers, console)
+                    if out["finite"] and self.evaluator.due(step):
+                        out["eval"] = self.evaluator(self.forward_backward)
                     if not out["finite"]:  # logged first: the budget may end the run here, unsaved
                         self._record(
                             step, out, time.perf_counter() - step_end, tracked, None, loggers, console
@@ -281,6 +281,7 @@ class Trainer:
             raise
         finally:
             self.loader.close()
+            self.evaluator.close()
             if record:
                 summary = self.summary()
                 record.close(status, summary)
@@ -305,12 +306,13 @@ class Trainer:
 
     def _record(self, step, out, dt, tracked, checkpoint_s: float | None, loggers, console) -> None:
         """Count the step's time for the summary (steady or excluded, and why) and log it."""
-        r, st = self.recipe, self.state
-        why = exclusion(step - self.start_step, r.logging.warmup_steps, tracked, checkpoint_s is not None)
+        r, st, evaluated, saved = self.recipe, self.state, "eval" in out, checkpoint_s is not None
+        why = exclusion(step - self.start_step, r.logging.warmup_steps, tracked, saved, evaluated)
         st.step = step
         st.losses.append(out["loss"])
         st.times.append(StepTime(step, out["tokens"], dt, why))
-        if step % r.logging.log_every == 0 or step == r.train.steps or not out["finite"] or tracked:
+        due = step % r.logging.log_every == 0 or step == r.train.steps
+        if due or not out["finite"] or tracked or evaluated:
             metrics = self._metrics(step, out, dt)
             if checkpoint_s is not None:
                 metrics["checkpoint_seconds"] = checkpoint_s
@@ -349,6 +351,7 @@ class Trainer:
             **{k: out[k] for k in ("loss_scale", "overflow_steps") if k in out},
             **mem,
             **out.get("memory_breakdown", {}),
+            **out.get("eval", {}),
         }
 
     def _layout(self) -> list[list[int]] | None:
@@ -356,7 +359,10 @@ class Trainer:
 
     def summary(self) -> dict:
         fp16 = self.scaler.metrics(self.scaler.scale)  # the final scale and overflow count (fp16)
-        return {**summarize(self.state, self.throughput, loss_floor(self.loader)), **fp16}
+        evaluated = {
+            k.replace("/", "_"): v for k, v in self.evaluator.last.items()
+        }  # eval_loss, eval_perplexity
+        return {**summarize(self.state, self.throughput, loss_floor(self.loader)), **fp16, **evaluated}
 
 
 def train(recipe: Recipe) -> RunState:

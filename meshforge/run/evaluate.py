@@ -1,0 +1,83 @@
+"""Held-out evaluation: every `eval.every` steps and after the last, the same `eval.batches`
+global batches of held-out data, forward only; `eval/loss` (token cross-entropy over every
+held-out target token of every dp rank, normalised as the training loss is, so every mesh
+gives the same number for the same weights) and `eval/perplexity`.
+
+Held out: the synthetic source's samples from index 2^40 on (a range training never reaches),
+`eval.path` files, or the dataset's `eval.split`; never the training stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+
+from meshforge.configs import Recipe
+from meshforge.run.corpus_loader import build_loader
+from meshforge.run.forward_backward import ForwardBackward
+from meshforge.run.step import IGNORE_INDEX
+
+HELD_OUT_INDEX = 2**40  # the synthetic source's held-out samples start here
+
+
+def held_out_recipe(recipe: Recipe) -> Recipe:
+    """The recipe whose data stream is the held-out set, read in order."""
+    r = copy.deepcopy(recipe)
+    if r.data.source == "files":
+        r.data.path = r.eval.path
+    elif r.data.source == "hf":
+        r.data.split = r.eval.split
+    r.data.shuffle_windows = 0
+    return r
+
+
+def data_streams(recipe: Recipe, vocab_size: int, meshes, dims, device) -> tuple:
+    """This rank's training loader and evaluator: its dp coordinate decides its slice of every
+    global batch (its part of a corpus), and of the held-out set."""
+    dp_rank = meshes.dp.get_local_rank() if meshes is not None else 0
+    dp_group = meshes.dp.get_group() if dims.dp > 1 else None
+    loader = build_loader(recipe, vocab_size, dp_rank, dims.dp, dp_group)
+    return loader, Evaluator(recipe, vocab_size, dp_rank, dims.dp, dp_group, device)
+
+
+class Evaluator:
+    def __init__(self, recipe: Recipe, vocab_size: int, dp_rank: int, dp_size: int, dp_group, device):
+        self.cfg, self.steps, self.device = recipe.eval, recipe.train.steps, device
+        self.dp_group = dp_group
+        self.loader = None
+        self.last: dict = {}
+        if not self.cfg.every:
+            return
+        self.loader = build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group)
+        if hasattr(self.loader, "windows"):  # a corpus: the held-out part must hold every batch
+            self.loader.windows.min_windows *= self.cfg.batches
+        self._start = self.loader.state_dict()
+        if recipe.data.source == "synthetic":
+            self._start = {"position": HELD_OUT_INDEX}
+
+    def due(self, step: int) -> bool:
+        return self.loader is not None and (step % self.cfg.every == 0 or step == self.steps)
+
+    def __call__(self, forward: ForwardBackward) -> dict:
+        """Evaluate the model now; the metrics to log."""
+        self.loader.load_state_dict(self._start)  # the same batches every time
+        ce = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.batches):
+            batches = self.loader.next_step()
+            ce += forward.evaluate(batches)
+            tokens += sum(float((b.labels != IGNORE_INDEX).sum()) for b in batches)
+        if self.dp_group is not None:  # tp peers hold the same sums; dp ranks hold their slices
+            packed = torch.stack([ce, tokens])
+            dist.all_reduce(packed, group=self.dp_group)
+            ce, tokens = packed[0], packed[1]
+        loss = float(ce / tokens)
+        self.last = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}
+        return self.last
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
