@@ -69,6 +69,7 @@ def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
             ],
             str(path),
         ) from None
+    anchor_paths(data, path.parent)
     base_name = data.pop("extends", None)
     if base_name is None:
         return data
@@ -76,6 +77,23 @@ def read_toml(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
     if not base_path.is_file():
         raise RecipeError([Problem("extends", base_name, f"base recipe not found at {base_path}")], str(path))
     return _deep_merge(read_toml(base_path, _seen + (path,)), data)
+
+
+# data paths written in a recipe file are relative to that file, so a recipe and its corpus travel
+# together (the shipped text_cpu, a recipe beside its data); on the command line, to the cwd
+RECIPE_RELATIVE = (("data", "path"), ("data", "tokenizer"), ("eval", "path"))
+
+
+def anchor_paths(data: dict, folder: Path) -> None:
+    """Make a recipe file's relative data paths absolute against its folder. A tokenizer that
+    is not there stays as written: a hub id (`org/name`)."""
+    for section, key in RECIPE_RELATIVE:
+        value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
+        if not isinstance(value, str) or value == "byte" or Path(value).expanduser().is_absolute():
+            continue
+        if key == "tokenizer" and not (folder / value).exists():
+            continue
+        data[section][key] = str(folder / value)
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

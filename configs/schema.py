@@ -160,7 +160,9 @@ class DataConfig:
         "synthetic (seeded Markov source) | files (local jsonl/parquet/text by glob) | "
         "hf (an HF dataset, streamed)",
     )
-    path: Optional[str] = F(None, "files: glob of local files, e.g. 'corpus/*.jsonl'")
+    path: Optional[str] = F(
+        None, "files: glob of local files, e.g. 'corpus/*.jsonl' (in a recipe file: relative to that file)"
+    )
     format: Optional[str] = F(None, "files: json | parquet | text; None = from the files' extension")
     text_sample_by: str = F(
         "document", "files of plain text: a record is a document (file) | paragraph | line"

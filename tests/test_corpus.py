@@ -6,6 +6,7 @@ the documented rule), and bad input is an error naming the field."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pyarrow as pa
@@ -278,3 +279,19 @@ def test_the_stream_runs_on_from_block_to_block(jsonl):
     w.load_state_dict(w.state_dict())
     w.next_windows(1)
     assert len(loads) == 2  # a resume repositions once
+
+
+@pytest.mark.slow
+def test_text_cpu_learns_the_shipped_corpus(tmp_path):
+    """The README's `run_recipe recipes/text_cpu.toml`, shortened: real text, the shipped BPE
+    tokenizer, 2 ranks; the training and the held-out loss both fall."""
+    from conftest import RECIPES, read_metrics, run_cli
+
+    args = [str(RECIPES / "text_cpu.toml"), "train.steps=40", "eval.every=20", "logging.wandb=false"]
+    proc = run_cli([*args, f"output_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "text_cpu")
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0] < math.log(2048)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert "eval loss" in proc.stdout and "held out" in proc.stdout

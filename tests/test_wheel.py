@@ -79,3 +79,19 @@ def test_wheel_installs_one_namespace_and_runs(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (work / "outputs" / "debug_cpu" / "metrics.jsonl").read_text().count("\n") == 3
+    # text_cpu's corpus and tokenizer travel in the wheel, found from the recipe's own folder
+    corpus = target / "meshforge" / "recipes" / "corpora" / "pydocs"
+    assert (
+        len(list((corpus / "train").glob("*.jsonl"))) == 8
+        and (corpus / "tokenizer" / "tokenizer.json").is_file()
+    )
+    plan = subprocess.run(
+        [sys.executable, "-m", "meshforge.cli", "text_cpu", "--dry-run"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "8 local json files" in plan.stdout and "2048 tokens" in plan.stdout

@@ -118,6 +118,12 @@ class RunConsole:
                 f"lr {metrics['lr']:.2e}  {tps} tok/s{eta}",
                 highlight=False,
             )
+        if "eval/loss" in metrics:  # rare (every eval.every steps): always its own line
+            self.console.print(
+                f"step {step}/{self._total}  eval loss {metrics['eval/loss']:.4f}  "
+                f"perplexity {metrics['eval/perplexity']:.2f}  (held out)",
+                highlight=False,
+            )
 
     def note(self, text: str) -> None:
         """Something the user should know mid-run: a warning through Python logging (so it
