@@ -28,7 +28,9 @@ from meshforge.simulate.estimate import estimate_rows
 REPO = Path(__file__).resolve().parents[1]
 ONE_GPU = ["train.device=cuda", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 QUIET = ["logging.wandb=false", "logging.progress=false"]
-LLM_1B_ONE_GPU = [*ONE_GPU, "activation_checkpoint.mode=none", "logging.log_every=5"]
+# the GPU machine has no network: llm_1b's FineWeb-Edu stream is swapped for the synthetic source
+SYNTHETIC = ["data.source=synthetic", "data.hf_dataset=null", "data.hf_config=null"]
+LLM_1B_ONE_GPU = [*ONE_GPU, *SYNTHETIC, "activation_checkpoint.mode=none", "logging.log_every=5"]
 
 # name: (recipe, overrides, steps scale): the runs this check makes, in order
 RUNS: dict[str, tuple[str, list[str], float]] = {
@@ -43,7 +45,7 @@ RUNS: dict[str, tuple[str, list[str], float]] = {
     "llm_1b_bf16_eager_memory_history": ("llm_1b", LLM_1B_ONE_GPU, 1),
     "llm_1b_recipe_ac_full_compile": (
         "llm_1b",
-        [*ONE_GPU, "compile.enabled=true", "logging.memory_history=false", "logging.log_every=5"],
+        [*ONE_GPU, *SYNTHETIC, "compile.enabled=true", "logging.memory_history=false", "logging.log_every=5"],
         1,
     ),
 }

@@ -317,7 +317,11 @@ def check_data(r: Recipe) -> list[Problem]:
         "data.format": d.format if d.source != "files" else None,
     }
     problems += [
-        Problem(name, value, f"is not read by data.source = {d.source!r}; remove it or change data.source")
+        Problem(
+            name,
+            value,
+            f"is not read by data.source = {d.source!r}; remove it ({name}=null) or change data.source",
+        )
         for name, value in ignored.items()
         if value is not None
     ]

@@ -42,6 +42,8 @@ def test_recorded_results_are_in_the_repo():
     assert [r["dp_shard"] for r in scaling["rows"]] == [1, 2, 4, 8]
     accuracy = json.loads((REPO / "benchmarks" / "results" / "estimator_accuracy.json").read_text())
     assert {r["world"] for r in accuracy["rows"]} == {4, 8} and len(accuracy["rows"]) >= 20
+    loader = json.loads((REPO / "benchmarks" / "results" / "loader_throughput.json").read_text())
+    assert loader["tokens_per_measurement"] >= 1_000_000 and loader["text_cpu_margin"] > 1
     bubble = json.loads((REPO / "benchmarks" / "results" / "pipeline_bubble.json").read_text())
     assert [r["schedule"] for r in bubble["rows"]] == ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
     titan = json.loads((REPO / "benchmarks" / "results" / "vs_torchtitan.json").read_text())
@@ -123,3 +125,17 @@ def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
     (row,) = result["rows"]
     assert row["schedule"] == "GPipe" and row["theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
     assert row["measured"] == pytest.approx(1 - result["one_rank_step_time_s"] / 2 / row["step_time_s"])
+
+
+def test_loader_throughput_benchmark_writes_its_results(tmp_path):
+    pytest.importorskip("datasets", reason="the hf extra (installed by .[all], as CI does)")
+    args = ["--tokens", "20000", "--no-train", "--out", str(tmp_path)]
+    proc = run_benchmark("loader_throughput.py", args, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "loader_throughput.json").read_text())
+    assert {(r["format"], r["seq_len"], r["shuffle_windows"]) for r in result["rows"]} == {
+        (f, s, w) for f in ("jsonl", "parquet") for s, w in ((128, 0), (128, 64), (2048, 0))
+    }
+    assert all(r["tokens_per_sec"] > 0 for r in result["rows"]) and result["text_cpu_margin"] is None
+    need = result["llm_1b_h100_tokens_per_sec_per_gpu_at_mfu"]["tokens_per_sec"]
+    assert result["llm_1b_margin"] == min(r["tokens_per_sec"] for r in result["rows"]) / need

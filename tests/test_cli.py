@@ -11,6 +11,9 @@ def test_dry_run_plans_llm_1b_without_allocating_it(tmp_path):
     assert "1,235,814,400 parameters" in proc.stdout
     assert "global 16 = micro 2 x accum 1 x dp 8" in proc.stdout
     assert "world size 8" in proc.stdout
+    # its real corpus and tokenizer are named, checked as far as possible, and not downloaded
+    assert "HF dataset HuggingFaceFW/fineweb-edu (config 'sample-10BT', split 'train')" in proc.stdout
+    assert "tokenizer meta-llama/Llama-3.2-1B: from the hub at start" in proc.stdout
     assert not (tmp_path / "outputs").exists()  # nothing was run
 
 

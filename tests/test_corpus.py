@@ -295,3 +295,16 @@ def test_text_cpu_learns_the_shipped_corpus(tmp_path):
     assert len(evals) == 2 and evals[1] < evals[0] < math.log(2048)
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert "eval loss" in proc.stdout and "held out" in proc.stdout
+
+
+def test_a_gated_hub_tokenizer_that_cannot_be_read_says_how_to_get_it(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without the network
+    with pytest.raises(DataNotFound) as e:
+        HFTokenizer("meta-llama/Llama-3.2-1B")
+    message = str(e.value)
+    assert "data.tokenizer = 'meta-llama/Llama-3.2-1B' cannot be downloaded" in message
+    assert "hf auth login" in message
+    assert (
+        "hf download meta-llama/Llama-3.2-1B --include 'tokenizer*' --local-dir tokenizers/Llama-3.2-1B"
+        in message
+    )
