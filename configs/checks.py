@@ -284,15 +284,6 @@ def check_eval(r: Recipe) -> list[Problem]:
     problems += [
         Problem(k, v, f"is not read with data.source = {d.source!r}") for k, v in unread.items() if v
     ]
-    if r.mesh.pp > 1:
-        problems.append(
-            Problem(
-                "eval.every",
-                e.every,
-                "evaluation under pipeline parallelism (mesh.pp > 1) is not "
-                "implemented yet; set eval.every=0 or mesh.pp=1",
-            )
-        )
     if r.backend == "jax":
         problems.append(Problem("eval.every", e.every, "backend=jax does not evaluate yet; set eval.every=0"))
     return problems

@@ -14,7 +14,7 @@ from meshforge.core.errors import UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.parallelisms.pp import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
+from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
 
 
 def load_recipe(
@@ -158,6 +158,15 @@ def check_combinations(r: Recipe) -> list[Problem]:
                 "float16",
                 f"float16 reductions of unscaled gradients underflow; only fsdp.param_dtype=float16 runs "
                 f"a loss scale (now {r.fsdp.param_dtype}): set reduce_dtype=float32 or param_dtype=float16",
+            )
+        )
+    if r.eval.every and r.mesh.pp > 1 and r.pp.schedule in V_SCHEDULES:
+        problems.append(
+            Problem(
+                "eval.every",
+                r.eval.every,
+                f"{r.pp.schedule}'s forward-only pass fails on torch 2.13 (it splits a backward it does "
+                "not have); set eval.every=0 or use 1F1B, Interleaved1F1B or InterleavedZeroBubble",
             )
         )
     if r.compile.enabled and r.mesh.tp > 1:

@@ -264,6 +264,12 @@ def test_training_on_a_corpus_resumes_with_the_next_token(tmp_path):
     evals = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path / "whole") if "eval/loss" in r}
     evals_again = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path / "resumed") if "eval/loss" in r}
     assert sorted(evals) == [3, 6] and evals_again == {6: evals[6]} and evals[6] < evals[3]
+    # on one process (another dp degree): the rule, said in the log; it trains on
+    one = ["mesh.dp_shard=1", "run_name=one", "train.steps=4", f"checkpoint.load={step3}"]
+    moved = run_cli([*args, *one], cwd=tmp_path)
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert "data: dp 2 -> 1: this rank's new part skips its first 48 windows" in moved.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "one")] == [4]
 
 
 def test_the_stream_runs_on_from_block_to_block(jsonl):

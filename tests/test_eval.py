@@ -1,5 +1,6 @@
-"""Held-out evaluation: the same eval loss on every mesh for the same weights, in every logger
-(JSONL, TensorBoard, W&B read back) and in `compare`; held out for real, refused where it is not."""
+"""Held-out evaluation: the same eval loss on every mesh for the same weights (one process, TP 2
+with SP and loss parallel, FSDP 2 x PP 2 through the schedule's eval()), in every logger (JSONL,
+TensorBoard, W&B read back) and in `compare`; held out for real, refused where it is not."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from meshforge.run import wandb_files as wf
 
 MESHES = {
     "one": ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"],
-    "dp2": ["mesh.dp_shard=2", "mesh.tp=1", "mesh.pp=1"],
+    "dp2_pp2": ["mesh.dp_shard=2", "mesh.tp=1", "mesh.pp=2"],  # FSDP + the 1F1B schedule's eval()
     "tp2": [
         "mesh.dp_shard=1",
         "mesh.tp=2",
@@ -33,7 +34,11 @@ MESHES = {
         (["data.source=files", "data.path=x/*.jsonl"], "eval.path", "never on training data"),
         (["data.source=hf", "data.hf_dataset=org/name"], "eval.split", "never on training data"),
         (["eval.path=held/*.jsonl"], "eval.path", "is not read with data.source = 'synthetic'"),
-        (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], "eval.every", "pipeline parallelism"),
+        (
+            ["mesh.pp=2", "mesh.dp_shard=4", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2"],
+            "eval.every",
+            "forward-only pass fails",
+        ),
     ],
 )
 def test_evaluation_is_refused_where_it_would_not_be_held_out_or_is_not_implemented(overrides, field, says):
@@ -65,7 +70,7 @@ def runs(tmp_path_factory):
 def test_the_eval_loss_is_the_same_on_every_mesh(runs):
     evals = {name: {r["step"]: r for r in read_metrics(runs / name) if "eval/loss" in r} for name in MESHES}
     assert all(sorted(e) == [2, 4] for e in evals.values())
-    for name in ("dp2", "tp2"):
+    for name in ("dp2_pp2", "tp2"):
         for step in (2, 4):
             assert abs(evals[name][step]["eval/loss"] - evals["one"][step]["eval/loss"]) < 1e-5, (name, step)
     one = evals["one"]

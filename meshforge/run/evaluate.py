@@ -1,7 +1,8 @@
 """Held-out evaluation: every `eval.every` steps and after the last, the same `eval.batches`
-global batches of held-out data, forward only; `eval/loss` (token cross-entropy over every
-held-out target token of every dp rank, normalised as the training loss is, so every mesh
-gives the same number for the same weights) and `eval/perplexity`.
+global batches of held-out data, forward only (through the pipeline schedule's `eval()` under
+PP); `eval/loss` (token cross-entropy over every held-out target token of every dp rank,
+normalised as the training loss is, so every mesh gives the same number for the same weights)
+and `eval/perplexity`.
 
 Held out: the synthetic source's samples from index 2^40 on (a range training never reaches),
 `eval.path` files, or the dataset's `eval.split`; never the training stream.
@@ -45,7 +46,7 @@ def data_streams(recipe: Recipe, vocab_size: int, meshes, dims, device) -> tuple
 
 class Evaluator:
     def __init__(self, recipe: Recipe, vocab_size: int, dp_rank: int, dp_size: int, dp_group, device):
-        self.cfg, self.steps, self.device = recipe.eval, recipe.train.steps, device
+        self.cfg, self.steps, self.device, self.tp = recipe.eval, recipe.train.steps, device, recipe.mesh.tp
         self.dp_group = dp_group
         self.loader = None
         self.last: dict = {}
@@ -70,10 +71,13 @@ class Evaluator:
             batches = self.loader.next_step()
             ce += forward.evaluate(batches)
             tokens += sum(float((b.labels != IGNORE_INDEX).sum()) for b in batches)
-        if self.dp_group is not None:  # tp peers hold the same sums; dp ranks hold their slices
-            packed = torch.stack([ce, tokens])
-            dist.all_reduce(packed, group=self.dp_group)
-            ce, tokens = packed[0], packed[1]
+        if (
+            dist.is_initialized()
+        ):  # as the training loss: last stages hold their dp slice's sum, tp peers copies
+            dist.all_reduce(ce)
+            ce /= self.tp
+        if self.dp_group is not None:  # every stage read its dp slice's batches
+            dist.all_reduce(tokens, group=self.dp_group)
         loss = float(ce / tokens)
         self.last = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}
         return self.last

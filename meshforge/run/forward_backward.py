@@ -52,12 +52,22 @@ class ForwardBackward:
 
     @torch.no_grad()
     def evaluate(self, batches: list) -> torch.Tensor:
-        """This rank's CE sum over `batches`, forward only, on the whole model (evaluation under
-        pipeline parallelism is refused at validation)."""
-        total = torch.zeros((), device=self.device)
+        """This rank's CE sum over `batches`, forward only: through the schedule's `eval()` under
+        pipeline parallelism (only a last stage computes any), else the whole model."""
+        self._scale, self._ce_sums = 1.0, []
         for b in batches:
+            inputs, labels = b.inputs.to(self.device), b.labels.to(self.device)
             with self.policy.context(self.device.type):
-                ce = cross_entropy_sum(self.parts[0](b.inputs.to(self.device)), b.labels.to(self.device))
+                if self.schedule is None:
+                    self._ce_sums.append(cross_entropy_sum(self.parts[0](inputs), labels))
+                    continue
+                kwargs = {"target": labels, "losses": []} if self.has_last else {}
+                before = len(self._ce_sums)
+                self.schedule.eval(*((inputs,) if self.has_first else ()), **kwargs)
+                real = self._ce_sums[before:][-self.microbatches :] if self.has_last else []
+                self._ce_sums[before:] = real  # as in training: shape inference may call the loss too
+        total = torch.zeros((), device=self.device)
+        for ce in self._ce_sums:
             total += ce.full_tensor() if isinstance(ce, DTensor) else ce
         return total
 
