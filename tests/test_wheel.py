@@ -58,40 +58,19 @@ def test_wheel_installs_one_namespace_and_runs(tmp_path):
         check=True,
     )
     assert all(p.startswith(str(target)) for p in probe.stdout.split())  # from the wheel, not the repo
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshforge.cli",
-            "debug_cpu",
-            "mesh.dp_shard=1",
-            "mesh.tp=1",
-            "mesh.pp=1",
-            "train.steps=3",
-            "logging.wandb=false",
-            "logging.tensorboard=false",
-        ],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def cli(*args: str) -> subprocess.CompletedProcess:  # the wheel's meshforge, from outside the repo
+        cmd = [sys.executable, "-m", "meshforge.cli", *args]
+        return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+
+    quiet = ["logging.wandb=false", "logging.tensorboard=false"]
+    run = cli("debug_cpu", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "train.steps=3", *quiet)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (work / "outputs" / "debug_cpu" / "metrics.jsonl").read_text().count("\n") == 3
     # text_cpu's corpus and tokenizer travel in the wheel, found from the recipe's own folder
     corpus = target / "meshforge" / "recipes" / "corpora" / "pydocs"
-    assert (
-        len(list((corpus / "train").glob("*.jsonl"))) == 8
-        and (corpus / "tokenizer" / "tokenizer.json").is_file()
-    )
-    plan = subprocess.run(
-        [sys.executable, "-m", "meshforge.cli", "text_cpu", "--dry-run"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    assert len(list((corpus / "train").glob("*.jsonl"))) == 8
+    assert (corpus / "tokenizer" / "tokenizer.json").is_file()
+    plan = cli("text_cpu", "--dry-run")
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "8 local json files" in plan.stdout and "2048 tokens" in plan.stdout
