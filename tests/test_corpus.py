@@ -314,3 +314,12 @@ def test_a_gated_hub_tokenizer_that_cannot_be_read_says_how_to_get_it(monkeypatc
         "hf download meta-llama/Llama-3.2-1B --include 'tokenizer*' --local-dir tokenizers/Llama-3.2-1B"
         in message
     )
+
+
+def test_ranks_read_whole_files_even_when_dp_does_not_divide_their_count(jsonl):
+    """4 files over 3 ranks: 2, 1 and 1 files, each rank only its own (FineWeb-Edu's sample has
+    14 parquet files for llm_1b's 8 ranks)."""
+    r = recipe({"source": "files", "path": str(jsonl / "*.jsonl")})
+    parts = [[row["id"].split(".")[0] for row in open_stream(r.data, "train", d, 3)] for d in range(3)]
+    assert [sorted(set(p)) for p in parts] == [["0", "3"], ["1"], ["2"]]
+    assert sum(len(p) for p in parts) == N_FILES * DOCS_PER_FILE

@@ -3,18 +3,19 @@ documents with BOS/EOS, packs them into `seq_len + 1` windows, shuffles within b
 can say exactly where it is.
 
 Records come from HF datasets with `streaming=True` (a hub dataset by name, or local
-jsonl/parquet/text files by glob), split over dp ranks by `split_dataset_by_node` (whole
-files or shards per rank when their count divides; otherwise every rank reads the stream
-and keeps every dp-th record, which we say at start). Windows do not overlap: each token is
-predicted once, as TorchTitan packs.
+jsonl/parquet/text files by glob), split over dp ranks by whole files/shards, round robin
+(`IterableDataset.shard`; with a count dp does not divide, parts differ in length by a shard,
+and each rank cycles through its own); only with fewer shards than ranks does every rank read
+the stream and keep every dp-th record (`split_dataset_by_node`), which we warn about.
+Windows do not overlap: each token is predicted once, as TorchTitan packs.
 
 The position of a rank is small and exact: the dataset's own state before the document
 holding the next block's first token, the offset of that token in the document, the block
 number and how many of its windows were handed out. A block's order is a permutation seeded
 by (data.seed, dp rank, block), so a resume re-reads one block and hands out the same windows
-next. On another dp degree the split differs; the rule (`resume_on_new_dp`) is documented
-and tested: every rank starts its new part from the beginning, skipping as many windows as
-the old ranks had handed out on average.
+next. On another dp degree the split differs; the rule (`windows_to_skip`) is documented
+and tested: every rank starts its new part from the beginning and skips the windows a rank of
+the new degree would have handed out by then (the old ranks' total / new dp).
 """
 
 from __future__ import annotations
@@ -72,15 +73,27 @@ def open_stream(cfg: DataConfig, split: str, dp_rank: int, dp_size: int):
         except (FileNotFoundError, ValueError, ConnectionError) as e:
             where = f"data.hf_dataset = {cfg.hf_dataset!r} (config {cfg.hf_config!r}, split {split!r})"
             raise DataNotFound(f"{where} cannot be opened: {e}") from None
-    if dp_size > 1 and ds.num_shards % dp_size:
-        log.warning(
-            "the corpus has %d shards, not a multiple of dp=%d: every rank reads the whole stream "
-            "and keeps every %d-th document",
-            ds.num_shards,
-            dp_size,
-            dp_size,
-        )
-    return split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size) if dp_size > 1 else ds
+    if dp_size == 1:
+        return ds
+    if ds.num_shards >= dp_size:  # whole files/shards per rank (round robin), however many
+        if ds.num_shards % dp_size and dp_rank == 0:
+            log.info(
+                "data: %d shards over dp=%d: ranks hold %d or %d of them (parts of unequal length; "
+                "each rank cycles through its own)",
+                ds.num_shards,
+                dp_size,
+                ds.num_shards // dp_size + 1,
+                ds.num_shards // dp_size,
+            )
+        return ds.shard(num_shards=dp_size, index=dp_rank, contiguous=False)
+    log.warning(
+        "data: the corpus has %d shards for dp=%d ranks: every rank reads the whole stream and keeps "
+        "every %d-th document (more files than ranks avoids that)",
+        ds.num_shards,
+        dp_size,
+        dp_size,
+    )
+    return split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
 
 
 @dataclass
