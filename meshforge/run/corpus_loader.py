@@ -84,7 +84,7 @@ class CorpusLoader:
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
-            self._ahead.result()  # let it finish, then rewind: its windows are not handed out
+            self._ahead.exception()  # let it finish (an error of a step never handed out is moot), rewind
             self._ahead = None
             self.windows.load_state_dict(self._state)
 
