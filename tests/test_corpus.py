@@ -204,8 +204,14 @@ def test_a_position_for_another_corpus_is_refused(jsonl):
     saved = loader.checkpoint_state()
     loader.close()
     other = build_loader(recipe({"source": "files", "path": str(jsonl / "part0.jsonl")}), 512)
-    with pytest.raises(CheckpointError, match=r"another corpus \(data.path: .*checkpoint.init_from"):
+    with pytest.raises(CheckpointError, match=r"other data settings \(data.path: .*checkpoint.init_from"):
         other.restore_from(saved)
+    reshuffled = build_loader(
+        recipe({"source": "files", "path": str(jsonl / "*.jsonl"), "shuffle_windows": 8}), 512
+    )
+    with pytest.raises(CheckpointError, match=r"data.shuffle_windows: 0 -> 8\)"):
+        reshuffled.restore_from(saved)  # another order: the position would skip or repeat windows
+    reshuffled.close()
     with pytest.raises(CheckpointError, match="synthetic data position"):
         other.restore_from({"data_position": 64})
     other.close()

@@ -16,7 +16,8 @@ from meshforge.run.tokenizer import build_tokenizer, is_hub_id
 
 log = logging.getLogger(__name__)
 
-# the data settings a corpus position belongs to: resuming with any of them changed is refused
+# the data settings a corpus position belongs to (what is read, how it is cut into windows, in
+# what order): resuming with any of them changed would skip or repeat data, so it is refused
 FINGERPRINT = (
     "source",
     "path",
@@ -26,6 +27,9 @@ FINGERPRINT = (
     "hf_config",
     "split",
     "text_column",
+    "tokenizer",
+    "shuffle_windows",
+    "seed",
 )
 
 
@@ -105,14 +109,12 @@ class CorpusLoader:
                 "the checkpoint holds a synthetic data position and this recipe reads a corpus: "
                 "start from its weights instead (checkpoint.init_from=<its folder>)"
             )
-        changed = {k for k in FINGERPRINT if saved["settings"].get(k) != self.fingerprint.get(k)}
+        changed = sorted(k for k in self.fingerprint if saved["settings"].get(k) != self.fingerprint[k])
         if changed:
-            was = ", ".join(
-                f"data.{k}: {saved['settings'].get(k)!r} -> {self.fingerprint.get(k)!r}" for k in changed
-            )
+            was = ", ".join(f"{k}: {saved['settings'].get(k)!r} -> {self.fingerprint[k]!r}" for k in changed)
             raise CheckpointError(
-                f"the checkpoint's data position is for another corpus ({was}); resume with the same "
-                "data settings, or start from its weights (checkpoint.init_from=<its folder>)"
+                f"the checkpoint's data position belongs to other data settings ({was}); resume with "
+                "the same ones, or start from its weights (checkpoint.init_from=<its folder>)"
             )
         if saved["dp"] == self.dp_size:
             self.load_state_dict(saved["ranks"][self.dp_rank])
@@ -151,7 +153,7 @@ def build_loader(
     check_vocab(d.tokenizer, tok.vocab_size, vocab_size)
     stream = open_stream(d, d.split, dp_rank, dp_size)
     windows = DocumentWindows(stream, tok, d.text_column, t.seq_len, d.shuffle_windows, d.seed, dp_rank)
-    fingerprint = {k: getattr(d, k) for k in FINGERPRINT} | {"tokenizer": d.tokenizer, "seq_len": t.seq_len}
+    fingerprint = {f"data.{k}": getattr(d, k) for k in FINGERPRINT} | {"train.seq_len": t.seq_len}
     return CorpusLoader(windows, micro, accum, dp_rank, dp_size, dp_group, fingerprint)
 
 
