@@ -30,8 +30,9 @@ def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
 
 
 def check(recipe: Recipe) -> list[Problem]:
-    """Choices, ranges and data settings (after `resolve`)."""
-    return check_enums(recipe) + check_ranges(recipe) + check_data(recipe) + check_backend(recipe)
+    """Choices, ranges, data and evaluation settings (after `resolve`)."""
+    checks = (check_enums, check_ranges, check_data, check_eval, check_backend)
+    return [p for check_one in checks for p in check_one(recipe)]
 
 
 def choice_problems(choices: dict[str, tuple[object, tuple]]) -> list[Problem]:
@@ -189,6 +190,10 @@ def check_backend(r: Recipe) -> list[Problem]:
                 "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false",
             )
         )
+    if r.eval.every:
+        problems.append(
+            Problem("eval.every", r.eval.every, f"{why} without evaluation for now; set eval.every=0")
+        )
     return problems
 
 
@@ -246,6 +251,8 @@ def check_ranges(r: Recipe) -> list[Problem]:
             0 < ls.min_scale <= ls.initial,
             f"must be in (0, loss_scale.initial={ls.initial}], e.g. 1",
         ),
+        ("eval.every", r.eval.every, r.eval.every >= 0, "must be >= 0 (0 = no evaluation)"),
+        ("eval.batches", r.eval.batches, r.eval.batches >= 1, "must be >= 1"),
         ("sweep.steps", r.sweep.steps, r.sweep.steps > 0, "must be > 0"),
         ("sweep.timeout_s", r.sweep.timeout_s, r.sweep.timeout_s > 0, "must be > 0"),
         ("sweep.slurm.gpus_per_node", sl.gpus_per_node, sl.gpus_per_node >= 1, "must be >= 1, e.g. 8"),
@@ -258,14 +265,7 @@ def check_ranges(r: Recipe) -> list[Problem]:
 def check_eval(r: Recipe) -> list[Problem]:
     """A held-out set that is really held out, where evaluation is implemented."""
     e, d = r.eval, r.data
-    if e.every < 0 or e.batches < 1:
-        bad = (
-            ("eval.every", e.every, "must be >= 0")
-            if e.every < 0
-            else ("eval.batches", e.batches, "must be >= 1")
-        )
-        return [Problem(*bad)]
-    if not e.every:
+    if e.every <= 0:  # off (a negative value is check_ranges')
         return []
     held_out = {
         "files": ("eval.path", e.path, "a glob of held-out files"),
@@ -284,8 +284,6 @@ def check_eval(r: Recipe) -> list[Problem]:
     problems += [
         Problem(k, v, f"is not read with data.source = {d.source!r}") for k, v in unread.items() if v
     ]
-    if r.backend == "jax":
-        problems.append(Problem("eval.every", e.every, "backend=jax does not evaluate yet; set eval.every=0"))
     return problems
 
 
@@ -316,7 +314,6 @@ def check_data(r: Recipe) -> list[Problem]:
         for name, value in ignored.items()
         if value is not None
     ]
-    problems += check_eval(r)
     if d.shuffle_windows < 0:
         problems.append(Problem("data.shuffle_windows", d.shuffle_windows, "must be >= 0 (0 = stream order)"))
     if c.init_from_hf and c.init_from:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from meshforge.configs import Recipe
 from meshforge.core.errors import CheckpointError, DataError, DataNotFound, Problem, RecipeError
 from meshforge.run.corpus import DocumentWindows, corpus_files, open_stream, windows_to_skip
-from meshforge.run.data import Batch, MarkovSource, ShardedLoader
+from meshforge.run.data import Batch, ShardedLoader, build_source
 from meshforge.run.tokenizer import build_tokenizer, is_hub_id
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,9 @@ def build_loader(
     micro = micro or t.micro_batch_size
     accum = t.grad_accum_steps if micro == t.micro_batch_size else 1
     if d.source == "synthetic":
-        source = MarkovSource(vocab_size, t.seq_len, d.markov_branching, d.seed)
-        return ShardedLoader(source, micro, accum, dp_rank, dp_size, prefetch=True)
+        return ShardedLoader(
+            build_source(d, vocab_size, t.seq_len), micro, accum, dp_rank, dp_size, prefetch=True
+        )
     tok = build_tokenizer(d.tokenizer)
     check_vocab(d.tokenizer, tok.vocab_size, vocab_size)
     stream = open_stream(d, d.split, dp_rank, dp_size)

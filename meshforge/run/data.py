@@ -110,7 +110,9 @@ class MarkovSource:
 def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovSource:
     """The synthetic source; corpora are streamed per dp rank instead (run/corpus.py)."""
     if cfg.source != "synthetic":
-        raise DataError(f"data.source = {cfg.source!r} is a corpus: read it with run.corpus.build_loader")
+        raise DataError(
+            f"data.source = {cfg.source!r} is a corpus: read it with run.corpus_loader.build_loader"
+        )
     return MarkovSource(vocab_size, seq_len, cfg.markov_branching, cfg.seed)
 
 

@@ -55,9 +55,8 @@ class Evaluator:
         self.loader = build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group)
         if hasattr(self.loader, "windows"):  # a corpus: the held-out part must hold every batch
             self.loader.windows.min_windows *= self.cfg.batches
-        self._start = self.loader.state_dict()
-        if recipe.data.source == "synthetic":
-            self._start = {"position": HELD_OUT_INDEX}
+        synthetic = recipe.data.source == "synthetic"
+        self._start = {"position": HELD_OUT_INDEX} if synthetic else self.loader.state_dict()
 
     def due(self, step: int) -> bool:
         return self.loader is not None and (step % self.cfg.every == 0 or step == self.steps)
@@ -71,9 +70,8 @@ class Evaluator:
             batches = self.loader.next_step()
             ce += forward.evaluate(batches)
             tokens += sum(float((b.labels != IGNORE_INDEX).sum()) for b in batches)
-        if (
-            dist.is_initialized()
-        ):  # as the training loss: last stages hold their dp slice's sum, tp peers copies
+        # as the training loss: last stages hold their dp slice's sum, tp peers copies of it
+        if dist.is_initialized():
             dist.all_reduce(ce)
             ce /= self.tp
         if self.dp_group is not None:  # every stage read its dp slice's batches

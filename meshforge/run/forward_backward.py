@@ -41,49 +41,38 @@ class ForwardBackward:
     def __call__(self, batches: list, loss_scale: torch.Tensor) -> torch.Tensor:
         """Forward and backward every microbatch with gradients of (CE sum x loss_scale);
         returns this rank's CE sum over them."""
-        self._scale, self._ce_sums = loss_scale, []
-        for b in batches:
-            with self.policy.context(self.device.type):
-                self._one(b.inputs.to(self.device), b.labels.to(self.device))
-        total = torch.zeros((), device=self.device)
-        for ce in self._ce_sums:
-            total += ce.full_tensor() if isinstance(ce, DTensor) else ce
-        return total
+        return self._run(batches, loss_scale, train=True)
 
     @torch.no_grad()
     def evaluate(self, batches: list) -> torch.Tensor:
         """This rank's CE sum over `batches`, forward only: through the schedule's `eval()` under
         pipeline parallelism (only a last stage computes any), else the whole model."""
-        self._scale, self._ce_sums = 1.0, []
+        return self._run(batches, 1.0, train=False)
+
+    def _run(self, batches: list, loss_scale: torch.Tensor | float, train: bool) -> torch.Tensor:
+        self._scale, self._ce_sums = loss_scale, []
         for b in batches:
-            inputs, labels = b.inputs.to(self.device), b.labels.to(self.device)
             with self.policy.context(self.device.type):
-                if self.schedule is None:
-                    self._ce_sums.append(cross_entropy_sum(self.parts[0](inputs), labels))
-                    continue
-                kwargs = {"target": labels, "losses": []} if self.has_last else {}
-                before = len(self._ce_sums)
-                self.schedule.eval(*((inputs,) if self.has_first else ()), **kwargs)
-                real = self._ce_sums[before:][-self.microbatches :] if self.has_last else []
-                self._ce_sums[before:] = real  # as in training: shape inference may call the loss too
+                self._one(b.inputs.to(self.device), b.labels.to(self.device), train)
         total = torch.zeros((), device=self.device)
         for ce in self._ce_sums:
             total += ce.full_tensor() if isinstance(ce, DTensor) else ce
         return total
 
-    def _one(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def _one(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> None:
         if self.schedule is not None:
-            self.phase = "forward/backward (pipeline schedule)"
+            self.phase = f"{'forward/backward' if train else 'evaluation'} (pipeline schedule)"
             kwargs = {"target": labels, "losses": []} if self.has_last else {}
             args = (inputs,) if self.has_first else ()
             before = len(self._ce_sums)
-            self.schedule.step(*args, **kwargs)
+            (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
             # the first step's shape inference also calls the loss on dummy data: keep the real ones
             real = self._ce_sums[before:][-self.microbatches :] if self.has_last else []
             self._ce_sums[before:] = real
             return
-        self.phase = "forward"
+        self.phase = "forward" if train else "evaluation"
         ce = cross_entropy_sum(self.parts[0](inputs), labels)
-        self.phase = "backward"
-        (ce * self._scale).backward()
+        if train:
+            self.phase = "backward"
+            (ce * self._scale).backward()
         self._ce_sums.append(ce.detach())
