@@ -22,7 +22,7 @@ import torch
 from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.core.units import GiB
-from meshforge.run.memory import PEAK
+from meshforge.run.observe.memory import PEAK
 from meshforge.simulate.estimate import estimate_rows
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ if [ -d .whl ] && ! "$PY" -c "import omegaconf, tomli_w" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/meshforge_site .whl/*.whl
   export PYTHONPATH=/tmp/meshforge_site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! "$PY" -c "import meshforge.run.trainer" 2>/dev/null; then
+if ! "$PY" -c "import meshforge.run.train.trainer" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"

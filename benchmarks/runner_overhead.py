@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.recipe import load_recipe
-from meshforge.run.optim import build_optimizer, lr_multiplier
-from meshforge.run.trainer import Trainer
+from meshforge.run.train.optim import build_optimizer, lr_multiplier
+from meshforge.run.train.trainer import Trainer
 
 TARGET = 1.03
 SINGLE = [

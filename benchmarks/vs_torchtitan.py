@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.models.llama import LlamaArgs, Transformer
-from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
-from meshforge.run.optim import build_optimizer
+from meshforge.run.observe.flops import flops_per_token, measure_cpu_matmul_flops
+from meshforge.run.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 DIMS = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16"]

@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import IncompatibleWeights
+from meshforge.interop.weights import ArrayReader, WeightReader, hf_reader_for, load_into
 from meshforge.models import args_from_config, get_model_spec, spec_of
 from meshforge.models.hf_names import save_hf_shards
-from meshforge.run.checkpoint import (
+from meshforge.run.checkpoint.dcp import (
     SafeFileSystemReader,
     dcp_load,
     load_full_model,
@@ -26,7 +27,6 @@ from meshforge.run.checkpoint import (
     read_meta,
     save_seed_checkpoint,
 )
-from meshforge.run.weights import ArrayReader, WeightReader, hf_reader_for, load_into
 
 
 def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:

@@ -28,7 +28,7 @@ from meshforge.core.topology import ParallelDims
 # happens (said once here, for training and the estimator's traces alike).
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
-# float16 trains only under a dynamic loss scale (run/loss_scale.py); bfloat16 needs none
+# float16 trains only under a dynamic loss scale (run/train/loss_scale.py); bfloat16 needs none
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:
         fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
     root = fully_shard(model, reshard_after_forward=False, **kw)  # root: whatever is left (tied weights)
     # gradients are summed, not averaged: the loss is already divided by the global token
-    # count (run/trainer.py), and on gloo (no AVG) averaging would cost two passes of division
+    # count (run/train/trainer.py), and on gloo (no AVG) averaging would cost two passes of division
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

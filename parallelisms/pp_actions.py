@@ -5,7 +5,7 @@ The per-rank action order comes from torch's own schedule object, so it is the s
 that runs; the timing is simulated: every action takes one time step (F and B alike) and
 starts once what it needs is done (the previous stage's F, the next stage's B). The
 bubble of a real step also depends on how long each action takes, which the measured step
-time shows. run/figures.py draws it.
+time shows. run/observe/figures.py draws it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from the embedding's name, `init_param`) and stay equal: after backward their gr
 summed over a group of the first- and last-stage ranks of each pipeline, so both take the
 same update. A V schedule holds both stages on one rank: the sum is local. The copy on the
 last stage is left out of the gradient norm, which counts the weight once, and checkpoints
-store it once, under the embedding's name (run/checkpoint.py: `tied_alias`).
+store it once, under the embedding's name (run/checkpoint/dcp.py: `tied_alias`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
-from meshforge.run.checkpoint import committed, resolve_load
+from meshforge.run.checkpoint.dcp import committed, resolve_load
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 CKPT = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_latest=0"]
@@ -22,7 +22,7 @@ CKPT = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_lat
 # sitecustomize hooks, injected into every worker; RANK is read at call time
 KILL_RANK1_AT_STEP7 = """
 import os, signal
-import meshforge.run.trainer as t
+import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
 def step(self):
     if os.environ.get("RANK") == "1" and self.state.step == 6:
@@ -31,8 +31,8 @@ def step(self):
 t.Trainer.train_step = step
 """
 NAN_AT_STEP4 = """
-import meshforge.run.forward_backward as fb
-import meshforge.run.trainer as t
+import meshforge.run.train.forward_backward as fb
+import meshforge.run.train.trainer as t
 original_step, original_ce = t.Trainer.train_step, fb.cross_entropy_sum
 def step(self):
     t._current_step = self.state.step + 1
@@ -232,7 +232,7 @@ def test_seed_checkpoint_and_safetensors_export(tmp_path):
     from safetensors.torch import load_file
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import Trainer
+    from meshforge.run.train.trainer import Trainer
 
     proc = run_cli(
         ["init", str(RECIPES / "debug_cpu.toml"), "--out", str(tmp_path / "seed")],
@@ -274,7 +274,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path, monkeypatch):
     """DCP pickles its metadata; meshforge unpickles it through an allow-list."""
     import pickle
 
-    from meshforge.run.checkpoint import dcp_load
+    from meshforge.run.checkpoint.dcp import dcp_load
 
     monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "step-00000001"

@@ -15,9 +15,9 @@ import pytest
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import CheckpointError, DataError, DataNotFound, MissingColumn
-from meshforge.run.corpus import DocumentWindows, open_stream, windows_to_skip
-from meshforge.run.corpus_loader import CorpusLoader, build_loader
-from meshforge.run.tokenizer import ByteTokenizer, HFTokenizer
+from meshforge.run.data.corpus import DocumentWindows, open_stream, windows_to_skip
+from meshforge.run.data.loader import CorpusLoader, build_loader
+from meshforge.run.data.tokenizer import ByteTokenizer, HFTokenizer
 
 pytest.importorskip("datasets")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshforge.run.data import MarkovSource, ShardedLoader
+from meshforge.run.data.synthetic import MarkovSource, ShardedLoader
 
 
 def test_markov_floor_is_the_true_models_cross_entropy():

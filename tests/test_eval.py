@@ -13,7 +13,7 @@ from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 from meshforge.configs import RecipeError
 from meshforge.experiments.compare import comparison_table, find_runs
 from meshforge.recipe import load_recipe
-from meshforge.run import wandb_files as wf
+from meshforge.run.observe import wandb_files as wf
 
 MESHES = {
     "one": ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"],

@@ -11,8 +11,8 @@ import torch
 from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
 from meshforge.configs.schema import LossScaleConfig
-from meshforge.run import wandb_files as wf
-from meshforge.run.loss_scale import LossScaler
+from meshforge.run.observe import wandb_files as wf
+from meshforge.run.train.loss_scale import LossScaler
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 FP16 = ["fsdp.param_dtype=float16"]
@@ -41,7 +41,7 @@ def test_a_forced_overflow_skips_the_update_and_halves_the_scale(tmp_path):
     """One process, fp16 autocast, a loss scale no fp16 gradient survives: the step applies
     nothing (weights, AdamW state, lr schedule untouched); at a sane scale the next one does."""
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import Trainer
+    from meshforge.run.train.trainer import Trainer
 
     overrides = [*ONE_RANK, *QUICK, *FP16, "loss_scale.initial=1e12", f"output_dir={tmp_path}"]
     trainer = Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))

@@ -294,7 +294,7 @@ def test_a_recipe_trains_from_hf_weights_on_a_3d_mesh_and_exports_back(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # step 1's loss is transformers' loss on the same batch: the weights arrived intact on every rank
     from meshforge.recipe import load_recipe
-    from meshforge.run.data import ShardedLoader, build_source
+    from meshforge.run.data.synthetic import ShardedLoader, build_source
 
     recipe = load_recipe(RECIPES / "debug_cpu.toml", [*QUICK, "model.name=qwen3", f"model.hf={folder}"], 8)
     source = build_source(recipe.data, 128, recipe.train.seq_len)
@@ -315,7 +315,7 @@ def test_a_recipe_trains_from_hf_weights_on_a_3d_mesh_and_exports_back(tmp_path)
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
     assert all(p.stat().st_size < 40_000 + 4096 for p in shards)  # + the safetensors header
-    from meshforge.run.checkpoint import load_full_model, resolve_load
+    from meshforge.run.checkpoint.dcp import load_full_model, resolve_load
 
     ours, _, _ = load_full_model(resolve_load("latest", run / "checkpoints"))
     theirs = transformers.Qwen3ForCausalLM.from_pretrained(out).eval()

@@ -20,11 +20,11 @@ import torch  # noqa: E402
 from conftest import QUICK, RECIPES, run_cli  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from meshforge.interop import weights  # noqa: E402
 from meshforge.jax import bridge as jax_bridge  # noqa: E402
 from meshforge.models import llama_hf as interop  # noqa: E402
 from meshforge.models import llama_jax  # noqa: E402
 from meshforge.models.llama import LlamaArgs, Transformer  # noqa: E402
-from meshforge.run import weights  # noqa: E402
 
 # GQA (4 query heads, 2 kv heads) and Llama 3 RoPE scaling with a short original context,
 # so the scaling changes real frequencies in a 64-token test
@@ -253,7 +253,7 @@ def test_import_export_every_format_round_trips_bit_exactly(tmp_path):
     from meshforge.convert import export_checkpoint, import_weights
     from meshforge.models import args_from_config, get_model_spec
     from meshforge.recipe import load_recipe
-    from meshforge.run.checkpoint import load_full_model, resolve_load
+    from meshforge.run.checkpoint.dcp import load_full_model, resolve_load
 
     assert (
         run_cli(
@@ -388,7 +388,7 @@ def test_every_shard_of_an_8_rank_gloo_run_matches_its_jax_device(tmp_path):
     from jax.sharding import NamedSharding
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.checkpoint import SafeFileSystemReader, resolve_load
+    from meshforge.run.checkpoint.dcp import SafeFileSystemReader, resolve_load
     from meshforge.simulate.estimate import trace_pool
     from meshforge.simulate.sharding import rank_slices
 
@@ -452,7 +452,7 @@ def test_a_torchtitan_dcp_checkpoint_imports_into_the_recipe(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torchtitan.models.llama3 import llama3_configs
 
-    from meshforge.run.checkpoint import _single_process, load_full_model, resolve_load
+    from meshforge.run.checkpoint.dcp import _single_process, load_full_model, resolve_load
 
     titan = llama3_configs["debugmodel"](attn_backend="flex").build()
     titan.init_states()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 # is read at call time: spawned workers get their environment after start-up.)
 FAULT = """
 import os
-import meshforge.run.trainer as t
+import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
 def failing(self):
     if os.environ.get("RANK") == "1" and self.state.step == 2:

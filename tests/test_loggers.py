@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from meshforge.configs.schema import LoggingConfig
-from meshforge.run.loggers import WandbLogger, wandb_mode
+from meshforge.run.observe.loggers import WandbLogger, wandb_mode
 
 
 def test_mode_is_recipe_then_env_then_key(monkeypatch, tmp_path):

@@ -124,7 +124,7 @@ def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
     phase and estimate, and leaves the steps before it on record."""
     from meshforge.core.errors import OutOfMemory
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import Trainer
+    from meshforge.run.train.trainer import Trainer
 
     recipe = load_recipe(
         RECIPES / "debug_cpu.toml",

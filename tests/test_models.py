@@ -159,7 +159,7 @@ def test_logits_match_torchtitan():
 
 
 def test_flops_per_token_for_llama_8b():
-    from meshforge.run.flops import flops_per_token
+    from meshforge.run.observe.flops import flops_per_token
 
     args = model_args("llama3", "8b")
     # 6 x (8,030,261,248 - 128,256 x 4,096 embedding) + 12 x 32 layers x 32 heads x 128 x 8,192

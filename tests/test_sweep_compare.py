@@ -10,11 +10,11 @@ from conftest import QUICK, RECIPES, cli_env, run_cli
 
 from meshforge.experiments import compare
 from meshforge.experiments.sweep import mesh_shapes, sweep_points
-from meshforge.run import wandb_files as wf
+from meshforge.run.observe import wandb_files as wf
 
 # the pp=4 point fails at its first step, on purpose: it must be recorded, not fatal
 FAIL_PP4 = """
-import meshforge.run.trainer as t
+import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
 def step(self):
     if self.dims.pp == 4:

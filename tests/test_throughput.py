@@ -8,8 +8,8 @@ import torch
 
 from meshforge.configs.schema import OptimizerConfig
 from meshforge.experiments.compare import Run
-from meshforge.run.optim import build_optimizer, fused_unavailable
-from meshforge.run.record import StepTime, exclusion, steady_throughput, step_times_of_rows
+from meshforge.run.observe.record import StepTime, exclusion, steady_throughput, step_times_of_rows
+from meshforge.run.train.optim import build_optimizer, fused_unavailable
 
 
 def test_the_rule_names_what_it_leaves_out_and_counts_tokens_over_time():

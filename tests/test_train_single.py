@@ -80,7 +80,7 @@ def test_summary_throughput_is_tokens_over_time_of_the_steady_steps(trained):
     """The summary's tokens/s is total tokens / total time over the steps it counts (every
     step is logged here, so the rows recompute it); warm-up and the memory-tracking step are
     named, not averaged in; the terminal says which steps it covers."""
-    from meshforge.run.record import steady_throughput, step_times_of_rows
+    from meshforge.run.observe.record import steady_throughput, step_times_of_rows
 
     run_dir, proc = trained
     rows, summary = read_metrics(run_dir), json.loads((run_dir / "run.json").read_text())["summary"]
@@ -123,7 +123,7 @@ def test_terminal_shows_progress_and_summary(trained):
 
 def test_same_seed_same_losses_bit_for_bit(tmp_path):
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import train
+    from meshforge.run.train.trainer import train
 
     common = [
         *SINGLE,
@@ -142,7 +142,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
 
 def test_bf16_autocast_trains_close_to_fp32(tmp_path):
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import train
+    from meshforge.run.train.trainer import train
 
     common = [
         *SINGLE,
@@ -185,7 +185,7 @@ def test_cpu_offload_on_one_process_wraps_the_model_in_fsdp(tmp_path):
     from torch.distributed.tensor import DTensor
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import Trainer
+    from meshforge.run.train.trainer import Trainer
 
     overrides = [*SINGLE, "fsdp.cpu_offload=true", f"output_dir={tmp_path}", "logging.wandb=false"]
     trainer = Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))
@@ -207,7 +207,7 @@ def test_tied_embeddings_stay_one_parameter_after_materializing(tmp_path):
     import pytest
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.trainer import Trainer
+    from meshforge.run.train.trainer import Trainer
 
     overrides = [*SINGLE, "model.tie_embeddings=true", f"output_dir={tmp_path}", "logging.wandb=false"]
     trainer = Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))

@@ -11,14 +11,14 @@ import pytest
 from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
 from meshforge.configs.schema import LoggingConfig
-from meshforge.run import wandb_files as wf
-from meshforge.run.loggers import wandb_settings
+from meshforge.run.observe import wandb_files as wf
+from meshforge.run.observe.loggers import wandb_settings
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 # sitecustomize: the process kills itself (SIGKILL: nothing is flushed or closed) at step 7
 KILL_AT_STEP7 = """
 import os, signal
-import meshforge.run.trainer as t
+import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
 def step(self):
     if self.state.step == 6 and os.environ.get("MESHFORGE_TEST_KILL") == "1":

@@ -69,7 +69,7 @@ def _load(args: argparse.Namespace, world: int | None = None) -> Recipe:
 
 
 def _env_world(nproc: int | None) -> int | None:
-    from meshforge.run.distributed import env_world_size
+    from meshforge.run.launch.distributed import env_world_size
 
     return env_world_size() or nproc
 
@@ -102,9 +102,9 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     """Plan, check the machine, set an earlier run's records aside, then train: here, through
     the local launcher, under torchrun, or in JAX."""
     from meshforge.core.errors import MachineError
-    from meshforge.run.corpus_loader import check_data
-    from meshforge.run.distributed import pick_device_type, under_torchrun
-    from meshforge.run.plan import check_machine, make_plan
+    from meshforge.run.data.loader import check_data
+    from meshforge.run.launch.distributed import pick_device_type, under_torchrun
+    from meshforge.run.launch.plan import check_machine, make_plan
 
     plan = make_plan(recipe)
     data = check_data(recipe, plan.args.vocab_size)  # nothing downloaded; bad data settings stop here
@@ -127,11 +127,11 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     if recipe.backend == "jax":
         _train_jax(recipe, world, pick_device_type(recipe.train.device) == "cpu")
     elif launching:
-        from meshforge.run.launch import launch_local
+        from meshforge.run.launch.local import launch_local
 
         launch_local(recipe, world)
     else:
-        from meshforge.run.trainer import train
+        from meshforge.run.train.trainer import train
 
         train(recipe)
     return 0
@@ -202,7 +202,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from meshforge.convert import export_checkpoint
     from meshforge.core.units import parse_bytes
-    from meshforge.run.checkpoint import resolve_load
+    from meshforge.run.checkpoint.dcp import resolve_load
 
     path = resolve_load(args.checkpoint, Path(args.checkpoint))
     shard = parse_bytes(args.max_shard_size) if args.max_shard_size else None
@@ -215,7 +215,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     """Torch model vs its JAX twin on the same tokens: max |dlogit|, mean KL, top-1 agreement."""
     from meshforge.jax.parity import print_parity
     from meshforge.recipe import load_recipe
-    from meshforge.run.checkpoint import resolve_load
+    from meshforge.run.checkpoint.dcp import resolve_load
 
     source, overrides = _split_positionals(args.items)
     ckpt = None

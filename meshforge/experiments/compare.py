@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from meshforge.core.topology import ParallelDims  # noqa: E402
-from meshforge.run.memory import PEAK  # noqa: E402
-from meshforge.run.record import steady_throughput, step_times_of_rows  # noqa: E402
+from meshforge.run.observe.memory import PEAK  # noqa: E402
+from meshforge.run.observe.record import steady_throughput, step_times_of_rows  # noqa: E402
 
 THROUGHPUT_KEYS = ("tokens_per_sec", "step_time", "tokens_per_sec_per_device", "tflops_per_device")
 
@@ -137,7 +137,7 @@ def comparison_table(runs: list[Run]) -> Table:
     for c in cols:
         table.add_column(c)
     for r in runs:
-        # the records' own figures: one FLOP formula (run/flops.py) for the run, its records and here
+        # the records' own figures: one FLOP formula (run/observe/flops.py) for the run, its records and here
         tp = r.throughput()
         tps, step_time, per_device, tflops = (tp[k] for k in THROUGHPUT_KEYS)
         mx, mn = r.peak_memory()

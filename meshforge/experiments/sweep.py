@@ -31,8 +31,8 @@ from meshforge.core.units import GiB
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
 from meshforge.recipe import load_recipe
-from meshforge.run.loggers import wandb_settings
-from meshforge.run.plan import make_plan
+from meshforge.run.launch.plan import make_plan
+from meshforge.run.observe.loggers import wandb_settings
 from meshforge.simulate.estimate import estimate_refusals, estimate_table, heaviest, submit_roles, trace_pool
 
 

@@ -19,8 +19,8 @@ from jax.sharding import Mesh, PartitionSpec
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshforge.interop.weights import to_numpy
 from meshforge.models import spec_of
-from meshforge.run.weights import to_numpy
 
 ZERO_COPY = (torch.float32, torch.bfloat16, torch.float16)
 

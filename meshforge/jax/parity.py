@@ -11,8 +11,8 @@ from rich.table import Table
 from meshforge.configs import Recipe
 from meshforge.jax.bridge import run_parity, sharpen
 from meshforge.models import args_from_config, get_model_spec
-from meshforge.run.checkpoint import load_full_model
-from meshforge.run.corpus_loader import build_loader
+from meshforge.run.checkpoint.dcp import load_full_model
+from meshforge.run.data.loader import build_loader
 
 
 def print_parity(

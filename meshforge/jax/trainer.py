@@ -29,16 +29,16 @@ from meshforge.core.errors import NonFiniteLoss
 from meshforge.core.topology import ParallelDims
 from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.run.console import RunConsole
-from meshforge.run.corpus_loader import build_loader
-from meshforge.run.data import loss_floor
-from meshforge.run.describe import banner, open_run, run_info
-from meshforge.run.distributed import DistEnv
-from meshforge.run.flops import flops_per_token, measure_cpu_matmul_flops
-from meshforge.run.memory import memory_metrics, rank_memory
-from meshforge.run.optim import lr_multiplier
-from meshforge.run.record import RunState, StepTime, Throughput, summarize
-from meshforge.run.step import IGNORE_INDEX
+from meshforge.run.data.loader import build_loader
+from meshforge.run.data.synthetic import loss_floor
+from meshforge.run.launch.distributed import DistEnv
+from meshforge.run.observe.console import RunConsole
+from meshforge.run.observe.describe import banner, open_run, run_info
+from meshforge.run.observe.flops import flops_per_token, measure_cpu_matmul_flops
+from meshforge.run.observe.memory import memory_metrics, rank_memory
+from meshforge.run.observe.record import RunState, StepTime, Throughput, summarize
+from meshforge.run.train.optim import lr_multiplier
+from meshforge.run.train.step import IGNORE_INDEX
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.sharding import rank_slices
 

@@ -12,7 +12,7 @@ in flight are alive at once, and FSDP is driven as torch's PipelineStage drives 
 Measured against real runs by benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
-moments) over the sharding, plus Korthikanti et al. 2022 activations (run/plan.py).
+moments) over the sharding, plus Korthikanti et al. 2022 activations (run/launch/analytic.py).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.recipe import load_recipe
-from meshforge.run.memtrace import CATEGORIES, make_tracker, peak_categories
-from meshforge.run.optim import build_optimizer
-from meshforge.run.plan import make_plan
-from meshforge.run.step import StepPolicy, cross_entropy_sum
+from meshforge.run.launch.plan import make_plan
+from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories
+from meshforge.run.train.optim import build_optimizer
+from meshforge.run.train.step import StepPolicy, cross_entropy_sum
 from meshforge.simulate.fake_rank import simulated_rank, trace_pool
 
 

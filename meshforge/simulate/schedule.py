@@ -10,7 +10,7 @@ from meshforge.configs import Recipe
 from meshforge.core.errors import UsageError
 from meshforge.parallelisms.pp import bubble_fraction_gpipe, build_schedule
 from meshforge.parallelisms.pp_actions import bubble_fraction, pipeline_order
-from meshforge.run.figures import timeline
+from meshforge.run.observe.figures import timeline
 from meshforge.simulate.fake_rank import simulated_rank
 
 

@@ -12,7 +12,7 @@ import re
 import threading
 from pathlib import Path
 
-from meshforge.run.console import Banner, RunConsole
+from meshforge.run.observe.console import Banner, RunConsole
 
 LAUNCHED_ENV = "MESHFORGE_CONSOLE"  # set to "launcher" for the ranks: the launcher owns the terminal
 # what a log line's own prefix adds (torch's "[rank3]:W1130 21:50:26.478000 14124 ", a path:line)

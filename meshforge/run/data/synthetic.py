@@ -3,7 +3,7 @@
 The source maps a global sample index to `seq_len + 1` tokens, deterministically. The
 loader's only state is the next global index, so the stream is the same whatever the
 data-parallel degree, and a run can continue it exactly on another mesh. Real corpora are
-streamed per dp rank instead (run/corpus.py).
+streamed per dp rank instead (run/data/corpus.py).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class MarkovSource:
 
 
 def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovSource:
-    """The synthetic source; corpora are streamed per dp rank instead (run/corpus.py)."""
+    """The synthetic source; corpora are streamed per dp rank instead (run/data/corpus.py)."""
     if cfg.source != "synthetic":
         raise DataError(
             f"data.source = {cfg.source!r} is a corpus: read it with run.corpus_loader.build_loader"

@@ -12,9 +12,9 @@ from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import stage_layout
-from meshforge.run.memory import host_memory_bytes
+from meshforge.run.launch.analytic import activation_bytes, state_bytes
+from meshforge.run.observe.memory import host_memory_bytes
 
 
 @dataclass
@@ -93,7 +93,6 @@ def make_plan(r: Recipe) -> Plan:
         n_params = count_params(get_model_spec(r.model.name).build(args))
     dims = ParallelDims.from_config(r.mesh)
     layout = stage_layout(args.n_layers, dims.pp * r.pp.stages_per_rank, r.pp) if dims.pp_enabled else None
-    shards = dims.dp_shard * dims.tp * dims.pp  # replicas (dp_replicate) hold full copies
     return Plan(
         n_params=n_params,
         args=args,
@@ -103,27 +102,9 @@ def make_plan(r: Recipe) -> Plan:
         grad_accum=r.train.grad_accum_steps,
         tokens_per_step=r.train.global_batch_size * r.train.seq_len,
         layout=layout,
-        state_bytes_per_rank=16 * n_params / shards,
+        state_bytes_per_rank=state_bytes(n_params, dims),
         activation_bytes_per_rank=activation_bytes(r, args, dims),
     )
-
-
-def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
-    """A rough per-rank activation peak for one micro-batch (Korthikanti et al. 2022:
-    ~34 bytes x tokens x dim per layer in 16-bit, /tp), plus the fp32 logits, their
-    softmax and gradient (3 x 4 bytes x tokens x vocab / tp) on the last stage."""
-    tokens = r.train.micro_batch_size * r.train.seq_len
-    bytes_per_value = DTYPES[r.fsdp.param_dtype].itemsize
-    per_layer = 17 * bytes_per_value * tokens * args.dim / dims.tp
-    layers = args.n_layers / dims.pp
-    if r.activation_checkpoint.mode == "full":
-        stored = layers * tokens * args.dim * bytes_per_value + per_layer  # block inputs + one recompute
-    elif r.activation_checkpoint.mode == "selective":
-        kept = layers * (1 - 1 / r.activation_checkpoint.selective_every)
-        stored = kept * per_layer + (layers - kept) * tokens * args.dim * bytes_per_value + per_layer
-    else:
-        stored = layers * per_layer
-    return stored + 12 * tokens * args.vocab_size / dims.tp
 
 
 def check_machine(plan: Plan, device_type: str, launching_locally: bool) -> list[str]:

@@ -5,8 +5,7 @@ FSDP) -> materialize weights (mesh-independent) -> optimizer + schedule -> shard
 -> steps. The loss is the sum of token cross-entropies divided by the number of target
 tokens in the whole global batch, so losses and gradients match across mesh shapes.
 Each component owns its policy: the checkpointer when to save, the record run.json, the
-console what the terminal shows; the loop only steps, logs and asks them.
-"""
+console what the terminal shows; the loop only steps, logs and asks them."""
 
 from __future__ import annotations
 
@@ -26,18 +25,24 @@ from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import build_meshes, check_parameter_count, materialize, parallelize
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
-from meshforge.run import distributed as mfdist
-from meshforge.run.checkpoint import Checkpointer
-from meshforge.run.console import RunConsole
-from meshforge.run.data import loss_floor
-from meshforge.run.describe import banner, draw_breakdown, draw_pipeline, log_final, open_run, run_info
-from meshforge.run.evaluate import data_streams
-from meshforge.run.flops import device_peak_flops, flops_per_token
-from meshforge.run.forward_backward import ForwardBackward
-from meshforge.run.guards import BadStepBudget, StopSignals
-from meshforge.run.loggers import Loggers
-from meshforge.run.loss_scale import LossScaler, overflow_note
-from meshforge.run.memory import (
+from meshforge.run.checkpoint.dcp import Checkpointer
+from meshforge.run.checkpoint.state import ModelState, OptimizerState
+from meshforge.run.data.synthetic import loss_floor
+from meshforge.run.launch import distributed as mfdist
+from meshforge.run.launch.plan import make_plan
+from meshforge.run.launch.watch import LAUNCHED_ENV
+from meshforge.run.observe.console import RunConsole
+from meshforge.run.observe.describe import (
+    banner,
+    draw_breakdown,
+    draw_pipeline,
+    log_final,
+    open_run,
+    run_info,
+)
+from meshforge.run.observe.flops import device_peak_flops, flops_per_token
+from meshforge.run.observe.loggers import Loggers
+from meshforge.run.observe.memory import (
     dump_oom,
     memory_metrics,
     model_state_tensors,
@@ -46,13 +51,14 @@ from meshforge.run.memory import (
     start_memory_history,
     state_bytes,
 )
-from meshforge.run.memtrace import peak_categories, tracked_step
-from meshforge.run.optim import build_lr_scheduler, build_optimizer
-from meshforge.run.plan import make_plan
-from meshforge.run.record import RunState, StepTime, Throughput, exclusion, summarize
-from meshforge.run.state import ModelState, OptimizerState
-from meshforge.run.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
-from meshforge.run.watch import LAUNCHED_ENV
+from meshforge.run.observe.memtrace import peak_categories, tracked_step
+from meshforge.run.observe.record import RunState, StepTime, Throughput, exclusion, summarize
+from meshforge.run.train.evaluate import data_streams
+from meshforge.run.train.forward_backward import ForwardBackward
+from meshforge.run.train.guards import BadStepBudget, StopSignals
+from meshforge.run.train.loss_scale import LossScaler, overflow_note
+from meshforge.run.train.optim import build_lr_scheduler, build_optimizer
+from meshforge.run.train.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 
 
 class Trainer:
@@ -226,7 +232,7 @@ class Trainer:
 
     def run(self) -> RunState:
         r, env, st = self.recipe, self.env, self.state
-        # launched here by meshforge: the launcher shows the run (run/watch.py); else rank 0 does
+        # launched here by meshforge: the launcher shows the run (run/launch/watch.py); else rank 0 does
         console = RunConsole(
             enabled=env.is_main and r.logging.progress and os.environ.get(LAUNCHED_ENV) != "launcher"
         )

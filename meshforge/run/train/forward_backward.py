@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
-from meshforge.run.step import StepPolicy, cross_entropy_sum
+from meshforge.run.train.step import StepPolicy, cross_entropy_sum
 
 
 class ForwardBackward:

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from meshforge.configs.schema import CheckpointConfig, ModelConfig
 from meshforge.core.errors import CheckpointError, CheckpointNotFound
 from meshforge.core.units import GiB
+from meshforge.interop.weights import hf_reader_for, load_into
 from meshforge.models import args_from_config, get_model_spec
-from meshforge.run.loss_scale import LossScaler
-from meshforge.run.state import ModelState, OptimizerState
-from meshforge.run.weights import hf_reader_for, load_into
+from meshforge.run.checkpoint.state import ModelState, OptimizerState
+from meshforge.run.train.loss_scale import LossScaler
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from meshforge.configs import Recipe
-from meshforge.run.corpus_loader import build_loader
-from meshforge.run.forward_backward import ForwardBackward
-from meshforge.run.step import IGNORE_INDEX
+from meshforge.run.data.loader import build_loader
+from meshforge.run.train.forward_backward import ForwardBackward
+from meshforge.run.train.step import IGNORE_INDEX
 
 HELD_OUT_INDEX = 2**40  # the synthetic source's held-out samples start here
 

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction, pipeline_order  # noqa: E402
-from meshforge.run.memtrace import CATEGORIES  # noqa: E402
+from meshforge.run.observe.memtrace import CATEGORIES  # noqa: E402
 
 COMPUTE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"}
 

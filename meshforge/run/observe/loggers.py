@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.configs.schema import LoggingConfig
-from meshforge.run.wandb_files import history, run_files
+from meshforge.run.observe.wandb_files import history, run_files
 
 WALL_CLOCK = "time"  # kept in the JSONL record, never charted
 

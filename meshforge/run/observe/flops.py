@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.run.distributed import DistEnv
+from meshforge.run.launch.distributed import DistEnv
 
 # Dense peak TFLOP/s per device, by (name fragment, compute dtype). MFU is reported only
 # where the device is known; add yours here.

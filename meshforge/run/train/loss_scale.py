@@ -7,7 +7,7 @@ then skipped (no update, no scheduler step) and S multiplied by `backoff_factor`
 
 Why not torch's ShardedGradScaler: it checks for infs per optimizer with an all-reduce each,
 while the trainer already reduces one number over every rank of every mesh dimension and
-pipeline stage, the gradient norm (run/step.py: clip_grad_norm). An inf or nan in any
+pipeline stage, the gradient norm (run/train/step.py: clip_grad_norm). An inf or nan in any
 gradient shard on any rank makes that norm non-finite on all of them, so the skip decision
 is the same everywhere with no extra collective; unscaling folds into the clipping multiply.
 """

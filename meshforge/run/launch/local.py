@@ -18,10 +18,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import LaunchFailed
-from meshforge.run.console import RunConsole
-from meshforge.run.record import mark_failed
-from meshforge.run.trainer import train
-from meshforge.run.watch import LAUNCHED_ENV, RunWatcher
+from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
+from meshforge.run.observe.console import RunConsole
+from meshforge.run.observe.record import mark_failed
+from meshforge.run.train.trainer import train
 
 
 def _free_port() -> int:
@@ -37,7 +37,7 @@ def _worker(recipe: Recipe) -> None:
 
 def launch_local(recipe: Recipe, nproc: int) -> None:
     """Run `nproc` ranks of `recipe` here. Each rank writes its output to its log file under
-    `<run>/logs/`; this process shows the run (run/watch.py). A failing rank ends the whole
+    `<run>/logs/`; this process shows the run (run/launch/watch.py). A failing rank ends the whole
     job (max_restarts=0) and raises LaunchFailed naming it."""
     log_dir = Path(recipe.output_dir) / recipe.run_name / "logs"
     config = LaunchConfig(

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import CheckpointError, DataError, DataNotFound, Problem, RecipeError
-from meshforge.run.corpus import DocumentWindows, corpus_files, open_stream, windows_to_skip
-from meshforge.run.data import Batch, ShardedLoader, build_source
-from meshforge.run.tokenizer import build_tokenizer, is_hub_id
+from meshforge.run.data.corpus import DocumentWindows, corpus_files, open_stream, windows_to_skip
+from meshforge.run.data.synthetic import Batch, ShardedLoader, build_source
+from meshforge.run.data.tokenizer import build_tokenizer, is_hub_id
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import meshforge
-from meshforge.run.memory import PEAK
+from meshforge.run.observe.memory import PEAK
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -22,8 +22,8 @@ from rich.progress import (
 from rich.table import Table
 
 from meshforge.core.units import MiB
-from meshforge.run.memory import PEAK_MEANING
-from meshforge.run.memtrace import CATEGORIES
+from meshforge.run.observe.memory import PEAK_MEANING
+from meshforge.run.observe.memtrace import CATEGORIES
 
 log = logging.getLogger("meshforge.run")
 

@@ -1,0 +1,1 @@
+"""Distributed checkpoints (DCP) and what a rank contributes to them."""
