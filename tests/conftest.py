@@ -71,3 +71,16 @@ def pytest_sessionstart(session):
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(autouse=True)
+def multi_process_runs_are_marked_slow(request):
+    """A test not marked slow that launched ranks here (the local launcher writes one log folder
+    per rank under <run>/logs/) fails: `-m "not slow"` must stay the quick loop."""
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is None or request.node.get_closest_marker("slow"):
+        return
+    ranks = {p.name for p in tmp.glob("**/logs/*/attempt_*/*") if p.is_dir()}
+    if len(ranks) > 1:
+        pytest.fail(f"this test launched {len(ranks)} ranks: mark it @pytest.mark.slow")

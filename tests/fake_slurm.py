@@ -186,6 +186,8 @@ def _fields(job: dict, names: list[str]) -> list[str]:
 
 
 def squeue(args: list[str]) -> int:
+    with open(_state_dir() / "squeue.log", "a") as f:  # tests wait on polls, not on the clock
+        f.write(" ".join(args) + "\n")
     jobs = [j for j in map(_load, _ids(args)) if j and j["state"].split()[0] not in FINAL]
     if not jobs:
         print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr)

@@ -35,25 +35,6 @@ def test_runner_overhead_benchmark_writes_its_results(tmp_path):
     assert "| meshforge |" in (tmp_path / "runner_overhead.md").read_text()
 
 
-def test_recorded_results_are_in_the_repo():
-    recorded = json.loads((REPO / "benchmarks" / "results" / "runner_overhead.json").read_text())
-    assert recorded["rounds"] >= 5 and recorded["steps_per_round"] >= 20  # a real run, not the smoke size
-    scaling = json.loads((REPO / "benchmarks" / "results" / "fsdp_memory_scaling.json").read_text())
-    assert [r["dp_shard"] for r in scaling["rows"]] == [1, 2, 4, 8]
-    accuracy = json.loads((REPO / "benchmarks" / "results" / "estimator_accuracy.json").read_text())
-    assert {r["world"] for r in accuracy["rows"]} == {4, 8} and len(accuracy["rows"]) >= 20
-    loader = json.loads((REPO / "benchmarks" / "results" / "loader_throughput.json").read_text())
-    assert loader["tokens_per_measurement"] >= 1_000_000 and loader["text_cpu_margin"] > 1
-    bubble = json.loads((REPO / "benchmarks" / "results" / "pipeline_bubble.json").read_text())
-    assert [r["schedule"] for r in bubble["rows"]] == ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
-    titan = json.loads((REPO / "benchmarks" / "results" / "vs_torchtitan.json").read_text())
-    assert {(r["layout"], r["dtype"]) for r in titan["end_to_end"]} == {
-        (layout, dtype) for layout in ("1proc", "fsdp2", "tp2", "pp2") for dtype in ("float32", "bfloat16")
-    }
-    gpu = json.loads((REPO / "benchmarks" / "results" / "gpu_check.json").read_text())
-    assert "H200" in gpu["machine"]["gpu"] and not any("error" in r for r in gpu["runs"].values())
-
-
 def test_vs_torchtitan_benchmark_writes_its_results(tmp_path):
     """The model-level comparison (TorchTitan's class and ours, same weights, same loop) and
     one end-to-end layout; TorchTitan's trainer is left out here (the shim is outside the repo)."""

@@ -56,6 +56,16 @@ def sweep_cmd(args: list[str]) -> list[str]:
     return [str(Path(sys.executable).parent / "meshforge"), "sweep", *args]
 
 
+def squeue_calls(tmp: Path) -> int:
+    log = tmp / "slurm" / "squeue.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def submissions(tmp: Path) -> list[str]:
+    """The job names sbatch accepted, in order (fake_slurm's log)."""
+    return (tmp / "slurm" / "submissions.log").read_text().split()[1::2]
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -147,8 +157,7 @@ def slurm_sweep(tmp_path_factory):
     args = [*SWEEP, f"output_dir={tmp}", "sweep.only=[dp4,dp2-tp2,dp2-pp2]", "sweep.slurm.max_concurrent=2"]
     second = run_cli(["sweep", *args], cwd=tmp, env=env, program="meshforge", timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    submissions = (tmp / "slurm" / "submissions.log").read_text().split()[1::2]
-    return sweep_dir, (first.returncode, err1, rows1), second.stdout, submissions
+    return sweep_dir, (first.returncode, err1, rows1), second.stdout, submissions(tmp)
 
 
 @pytest.mark.slow
@@ -182,11 +191,11 @@ def test_failed_and_cancelled_jobs_are_recorded_with_the_schedulers_reason(slurm
 
 @pytest.mark.slow
 def test_a_stopped_sweep_asks_the_scheduler_again_instead_of_resubmitting(slurm_sweep):
-    sweep_dir, (rc1, err1, rows1), out, submissions = slurm_sweep
+    sweep_dir, (rc1, err1, rows1), out, submitted = slurm_sweep
     job = rows1[-1]["job_id"]
     assert rc1 == 130 and f"rerun the same command to collect them, or `scancel {job}`" in err1
     assert [r["status"] for r in rows1] == ["queued", "running"]
-    assert submissions.count("sweep-debug_cpu-w4-dp4") == 1  # dp4 was submitted once, by run 1
+    assert submitted.count("sweep-debug_cpu-w4-dp4") == 1  # dp4 was submitted once, by run 1
     assert {r["job_id"] for r in rows_of(sweep_dir) if r["label"] == "dp4"} == {job}
     assert [r["status"] for r in rows_of(sweep_dir) if r["label"] == "dp4"] == [
         "queued",
@@ -218,7 +227,9 @@ def test_the_readme_llm_8b_command_submits_two_node_jobs(tmp_path):
     )
     sweep_dir = tmp_path / "outputs" / "sweep-llm_8b-w16"
     wait_for(lambda: statuses(sweep_dir).count("queued") >= 4, 400, "four llm_8b jobs in the queue")
-    time.sleep(2)  # the sweep now only polls: no fifth job while four are queued
+    polls = squeue_calls(tmp_path)
+    wait_for(lambda: squeue_calls(tmp_path) >= polls + 3, 60, "three more polls of the queue")
+    assert len(submissions(tmp_path)) == 4  # the sweep only polls: no fifth job while four are queued
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "4 job(s) left to the scheduler" in err, err[-2000:]
