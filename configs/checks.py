@@ -65,7 +65,7 @@ def check_enums(r: Recipe) -> list[Problem]:
 
 def resolve_mesh(r: Recipe, world_size: int | None) -> list[Problem]:
     m = r.mesh
-    degrees = {n: getattr(m, n) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
+    degrees = {n: getattr(m, n) for n in MESH_DIMS}
     problems = [
         Problem(f"mesh.{n}", d, "must be a positive degree, or -1 for 'the rest'")
         for n, d in degrees.items()

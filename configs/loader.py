@@ -19,6 +19,7 @@ from typing import Any
 import tomli_w
 import tomllib
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from meshforge.core.errors import Problem, RecipeError
 
@@ -149,7 +150,9 @@ def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
     try:
         OmegaConf.merge(OmegaConf.structured(cls), {key: value})
         return []
-    except Exception:  # OmegaConf's ValidationError and friends: we only need the type
+    # OmegaConf's own errors about the value, and its TypeError for a table given where a list
+    # goes (or a list for a table); anything else is a bug and keeps its traceback
+    except (OmegaConfBaseException, TypeError):
         hint = typing.get_type_hints(cls)[key]
         expected = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
         return [Problem(name, value, f"wrong type: expected {expected}")]

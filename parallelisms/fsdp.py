@@ -8,6 +8,7 @@ on one data-parallel rank it applies only for `cpu_offload` (`fsdp_applies`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -24,9 +25,19 @@ from torch.distributed.fsdp import (
 from meshforge.configs.schema import FSDPConfig
 from meshforge.core.topology import ParallelDims
 
-# Our blocks add to the embedding's output out of place: this warning's in-place case never
-# happens (said once here, for training and the estimator's traces alike).
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+
+@contextlib.contextmanager
+def quiet_embedding_view_warning():
+    """Silences FSDP2's warning that the wrapped embedding returns a view, within the block (a
+    run, an estimator's trace): our blocks add to the embedding's output out of place, so the
+    in-place case it warns of never happens. Entered once per run, not per step: entering
+    warnings.catch_warnings resets the "once" registries, so other warnings would repeat."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor"
+        )
+        yield
+
 
 # float16 trains only under a dynamic loss scale (run/train/loss_scale.py); bfloat16 needs none
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

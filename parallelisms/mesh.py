@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshforge.core.topology import MESH_DIMS, ParallelDims
+from meshforge.core.topology import DP_DIMS, MESH_DIMS, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     root = init_device_mesh(device_type, tuple(dims.degrees.values()), mesh_dim_names=MESH_DIMS)
     return Meshes(
         root=root,
-        dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
-        fsdp=root["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else root["dp_shard"],
+        dp=root[DP_DIMS]._flatten("dp"),
+        fsdp=root[DP_DIMS] if dims.dp_replicate > 1 else root["dp_shard"],
         tp=root["tp"],
         pp=root["pp"],
     )

@@ -5,10 +5,15 @@ function (but for the CLI's start-up time and modules that need an optional extr
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import EXTRAS, REPO
 
 # bottom to top: a module may import its own layer and the layers below it
 LAYERS = [
@@ -184,3 +189,101 @@ def test_modules_stay_readable(limit):
         name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > limit
     }
     assert long == {}
+
+
+# Imported first, so that only what meshforge's own modules do at import is measured (torch's
+# pipelining sets TORCHINDUCTOR_CACHE_DIR at import, DCP configures its logger).
+THIRD_PARTY = (
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "matplotlib",
+    "wandb",
+    *EXTRAS,
+)
+IMPORT_EFFECTS = r"""
+import importlib, importlib.util, json, logging, os, sys, warnings
+libs, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for lib in libs:
+    if importlib.util.find_spec(lib.split(".")[0]) is not None:
+        importlib.import_module(lib)
+import matplotlib
+
+def loggers():
+    found = {"<root>": logging.getLogger(), **logging.root.manager.loggerDict}
+    return {
+        n: [lg.level, len(lg.handlers), len(lg.filters), lg.propagate, lg.disabled]
+        for n, lg in found.items()
+        if isinstance(lg, logging.Logger)
+    }
+
+def state():
+    return {
+        "warnings filters": [repr(f) for f in warnings.filters],
+        "os.environ": dict(os.environ),
+        "matplotlib backend": repr(matplotlib.rcParams._get_backend_or_none()),
+    }
+
+before, logs_before = state(), loggers()
+for m in modules:
+    importlib.import_module(m)
+after = state()
+changed = {k: [before[k], v] for k, v in after.items() if before[k] != v and k != "os.environ"}
+env_before, env_after = before["os.environ"], after["os.environ"]
+for name in sorted(set(env_before) | set(env_after)):
+    if env_before.get(name) != env_after.get(name):
+        changed[f"os.environ {name}"] = [env_before.get(name), env_after.get(name)]
+unconfigured = [logging.NOTSET, 0, 0, True, False]  # a logger created by getLogger and left alone
+for name, config in loggers().items():  # (loggers that libraries imported on the way set up are theirs)
+    if name in logs_before or name.startswith("meshforge"):
+        if config != logs_before.get(name, unconfigured):
+            changed[f"logger {name}"] = [logs_before.get(name, unconfigured), config]
+print(json.dumps(changed))
+"""
+
+
+def import_side_effects(modules: list[str], libs=THIRD_PARTY, path: Path | None = None) -> dict:
+    """What importing `modules` (in a fresh interpreter) changed: warnings filters, os.environ,
+    matplotlib's backend, any logger's level, handlers, filters or propagation."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(path or ""), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_EFFECTS, json.dumps(list(libs)), json.dumps(modules)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_importing_any_module_changes_no_process_wide_state():
+    """Warnings filters, logging, os.environ and matplotlib's backend are the process's, not a
+    module's: every meshforge module (the optional-extra ones where the extra is installed)
+    imports without touching them."""
+    available = importlib.util.find_spec("jax") is not None
+    modules = [
+        m
+        for m in module_files()
+        if (available or not m.startswith(OPTIONAL)) and not m.endswith("__main__")  # that one runs the CLI
+    ]
+    assert len(modules) > 90
+    assert import_side_effects(modules) == {}
+
+
+def test_the_import_check_sees_each_kind_of_side_effect(tmp_path):
+    (tmp_path / "planted_effects.py").write_text(
+        "import logging, os, warnings, matplotlib\n"
+        "warnings.filterwarnings('ignore', message='planted')\n"
+        "logging.getLogger('matplotlib').addFilter(logging.Filter('x'))\n"
+        "os.environ['PLANTED'] = '1'\n"
+        "matplotlib.use('Agg')\n"
+    )
+    found = import_side_effects(["planted_effects"], libs=["matplotlib"], path=tmp_path)
+    assert set(found) == {"warnings filters", "os.environ PLANTED", "matplotlib backend", "logger matplotlib"}
+    assert found["os.environ PLANTED"] == [None, "1"]
+    assert found["matplotlib backend"] == ["None", "'Agg'"]

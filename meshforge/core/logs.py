@@ -11,7 +11,6 @@ LOG_LEVEL_ENV = "MESHFORGE_LOG_LEVEL"  # also how a launcher hands its level to 
 def setup_logging(level: str | None = None) -> None:
     """meshforge's messages on stderr at `level` (default: MESHFORGE_LOG_LEVEL, else info)."""
     level = (level or os.environ.get(LOG_LEVEL_ENV) or "info").lower()
-    os.environ[LOG_LEVEL_ENV] = level
     logger = logging.getLogger("meshforge")
     logger.setLevel(level.upper())
     if not logger.handlers:
@@ -19,3 +18,9 @@ def setup_logging(level: str | None = None) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s meshforge: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+
+
+def log_level_name() -> str:
+    """meshforge's level as `setup_logging` takes it (what a launcher hands its ranks and points)."""
+    level = logging.getLogger("meshforge").level
+    return logging.getLevelName(level).lower() if level else (os.environ.get(LOG_LEVEL_ENV) or "info").lower()

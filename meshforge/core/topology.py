@@ -9,9 +9,11 @@ dumps, the DeviceMesh itself) asks this class. Pure Python: no devices, no torch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outer -> inner
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outer -> inner: the one spelling of the dim order
+DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims, outer -> inner (a batch splits over both)
 _LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("tp", "tp"), ("pp", "pp"))
 
 
@@ -33,17 +35,21 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, mesh_cfg) -> ParallelDims:
-        return cls(mesh_cfg.dp_replicate, mesh_cfg.dp_shard, mesh_cfg.tp, mesh_cfg.pp)
+        return cls(**{name: getattr(mesh_cfg, name) for name in MESH_DIMS})
+
+    @classmethod
+    def from_degrees(cls, degrees: Mapping[str, int]) -> ParallelDims:
+        """From a mapping holding every mesh dim (run.json's "mesh", a sweep row); other keys are ignored."""
+        return cls(**{name: degrees[name] for name in MESH_DIMS})
 
     @classmethod
     def all_of_world(cls, world: int) -> list[ParallelDims]:
-        """Every (dp_replicate, dp_shard, tp, pp) whose product is `world`."""
-        shapes = []
-        for rep in divisors(world):
-            for shard in divisors(world // rep):
-                for tp in divisors(world // (rep * shard)):
-                    shapes.append(cls(rep, shard, tp, world // (rep * shard * tp)))
-        return shapes
+        """Every shape whose product is `world`, in field order (the last field takes the rest)."""
+        *free, last = (f.name for f in fields(cls))
+        shapes: list[dict[str, int]] = [{}]
+        for name in free:
+            shapes = [{**s, name: d} for s in shapes for d in divisors(world // math.prod(s.values()))]
+        return [cls(**s, **{last: world // math.prod(s.values())}) for s in shapes]
 
     @property
     def degrees(self) -> dict[str, int]:

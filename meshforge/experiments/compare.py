@@ -7,15 +7,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure  # the object API: files only, no pyplot backend chosen
+from rich.table import Table
 
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from meshforge.core.topology import ParallelDims  # noqa: E402
-from meshforge.run.observe.memory import PEAK  # noqa: E402
-from meshforge.run.observe.record import steady_throughput, step_times_of_rows  # noqa: E402
+from meshforge.core.errors import UsageError
+from meshforge.core.topology import ParallelDims
+from meshforge.run.observe.memory import PEAK
+from meshforge.run.observe.record import steady_throughput, step_times_of_rows
 
 THROUGHPUT_KEYS = ("tokens_per_sec", "step_time", "tokens_per_sec_per_device", "tflops_per_device")
 
@@ -29,9 +27,7 @@ class Run:
 
     @property
     def layout(self) -> str:
-        return ParallelDims(
-            **{k: self.info["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")}
-        ).label()
+        return ParallelDims.from_degrees(self.info["mesh"]).label()
 
     @property
     def policy(self) -> str:
@@ -101,8 +97,9 @@ def find_runs(paths: list[Path]) -> list[Run]:
         else:
             found += sorted(q.parent for q in p.glob("*/run.json"))
     if not found:
-        raise FileNotFoundError(
-            f"no runs under {', '.join(map(str, paths))}: expected run.json or sweep.jsonl"
+        raise UsageError(
+            f"no runs under {', '.join(map(str, paths))}: expected <run>/run.json or a sweep folder's "
+            "sweep.jsonl; pass run folders, their parent, or sweep folders"
         )
     runs = []
     for d in found:
@@ -164,7 +161,8 @@ def comparison_table(runs: list[Run]) -> Table:
 
 def plot_metric(runs: list[Run], metric: str = "loss", align: str = "step"):
     """One line per run: `metric` against step or tokens seen."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for r in runs:
         rows = [x for x in r.rows if metric in x]
         xs = [x["step"] * (r.tokens_per_step if align == "tokens" else 1) for x in rows]
@@ -178,7 +176,8 @@ def plot_metric(runs: list[Run], metric: str = "loss", align: str = "step"):
 
 
 def plot_throughput(runs: list[Run]):
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     names = [r.name for r in runs]
     ax.bar(names, [r.throughput()["tokens_per_sec"] or 0 for r in runs])
     ax.set_ylabel("tokens/s (all ranks, steady steps)")
@@ -190,7 +189,8 @@ def plot_throughput(runs: list[Run]):
 
 def plot_memory(runs: list[Run]):
     """Peak memory per rank, grouped by run."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     width = 0.8 / max(1, max((len(r.per_rank_peak()) for r in runs), default=1))
     labelled: set[int] = set()
     for i, r in enumerate(runs):
@@ -213,7 +213,8 @@ def parity(runs: list[Run], baseline: str, tol: float) -> list[dict]:
     """Max per-step |Δloss| and |Δgrad_norm| of every run against `baseline`, on common steps."""
     base = next((r for r in runs if r.name == baseline), None)
     if base is None:
-        raise KeyError(f"--baseline {baseline!r} is not among the runs: {', '.join(r.name for r in runs)}")
+        names = ", ".join(r.name for r in runs)
+        raise UsageError(f"--baseline {baseline!r} is not among the runs; use one of: {names}")
     ref = {x["step"]: x for x in base.rows}
     out = []
     for r in runs:
@@ -257,6 +258,5 @@ def write_plots(runs: list[Run], out: Path, metrics: list[str], align: str) -> l
     paths = []
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=100)
-        plt.close(fig)
         paths.append(out / name)
     return paths

@@ -26,7 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Problem, Recipe, RecipeError
-from meshforge.core.topology import ParallelDims
+from meshforge.core.logs import log_level_name
+from meshforge.core.topology import MESH_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
@@ -222,7 +223,16 @@ def _print_plan(rows: list[dict], device_memory_gib: float | None, console: Cons
 
 
 def _command(recipe_path: str, row: dict) -> list[str]:
-    return [sys.executable, "-m", "meshforge.cli", recipe_path, *row["run_overrides"]]
+    # the sweep's log level, said on the command line: it holds for local points and Slurm jobs alike
+    return [
+        sys.executable,
+        "-m",
+        "meshforge.cli",
+        recipe_path,
+        *row["run_overrides"],
+        "--log-level",
+        log_level_name(),
+    ]
 
 
 def choose_launcher(launcher: str, world: int, device: str) -> str:
@@ -324,17 +334,14 @@ def _log_wandb_table(base: Recipe, group: str, rows: list[dict], sweep_dir: Path
     cols = [
         "label",
         "status",
-        "dp_replicate",
-        "dp_shard",
-        "tp",
-        "pp",
+        *MESH_DIMS,
         "tokens_per_sec",
         "step_time",
         "final_loss",
     ]
     table = wandb.Table(columns=cols)
     for r in rows:
-        mesh = [r["mesh"][k] for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+        mesh = [r["mesh"][k] for k in MESH_DIMS]
         table.add_data(
             r["label"], r["status"], *mesh, r.get("tokens_per_sec"), r.get("step_time"), r.get("final_loss")
         )

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshforge.core.topology import MESH_DIMS
 from meshforge.interop.weights import to_numpy
 from meshforge.models import spec_of
 
@@ -126,8 +127,9 @@ def jax_twin(args):
 
 
 def jax_mesh(degrees: dict[str, int], devices=None) -> Mesh:
-    """A jax Mesh with the recipe's axis names and sizes (pp must be 1 on the JAX side)."""
-    names = [k for k in ("dp_replicate", "dp_shard", "tp") if k in degrees]
+    """A jax Mesh with the recipe's axis names and sizes, in the DeviceMesh's order (pp must be 1
+    on the JAX side, and is left out)."""
+    names = [k for k in MESH_DIMS if k in degrees and k != "pp"]
     shape = [degrees[k] for k in names]
     n = int(np.prod(shape))
     devices = np.asarray(devices if devices is not None else jax.devices()[:n]).reshape(shape)

@@ -25,8 +25,8 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshforge.configs import Recipe
-from meshforge.core.errors import NonFiniteLoss
-from meshforge.core.topology import ParallelDims
+from meshforge.core.errors import MachineError, NonFiniteLoss
+from meshforge.core.topology import DP_DIMS, ParallelDims
 from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.run.data.loader import build_loader
@@ -61,9 +61,12 @@ class JaxTrainer:
         self.dims = ParallelDims.from_config(r.mesh)
         world = self.dims.world_size
         if len(jax.devices()) < world:
-            raise RuntimeError(
-                f"the mesh needs {world} JAX devices, JAX sees {len(jax.devices())}; on CPU set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={world} before JAX starts"
+            raise MachineError(
+                [
+                    f"the mesh ({self.dims.spelled()}) needs {world} JAX devices, JAX sees "
+                    f"{len(jax.devices())}; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                    f"{world} before JAX starts (run_recipe does), or use a smaller mesh"
+                ]
             )
         self.env = DistEnv(0, 0, world, world, torch.device("cpu"))  # one controller, `world` devices
         self.mesh = jax_mesh(self.dims.degrees)
@@ -87,7 +90,7 @@ class JaxTrainer:
             learning_rate=o.lr, b1=o.betas[0], b2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay
         )
         self.opt_state = self.tx.init(self.params)
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(("dp_replicate", "dp_shard")))
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DP_DIMS))
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
         self.loader = build_loader(r, args.vocab_size, micro=r.train.global_batch_size)
         peak = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None

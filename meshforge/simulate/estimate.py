@@ -30,7 +30,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
 from meshforge.parallelisms import to_empty
-from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies
+from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.recipe import load_recipe
@@ -56,7 +56,11 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         tracker = make_tracker(pmodel.parts, optimizers)
-        with tracker, StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"):
+        with (
+            tracker,
+            StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"),
+            quiet_embedding_view_warning(),
+        ):
             _run_actions(recipe, dims, pmodel, actions)
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)

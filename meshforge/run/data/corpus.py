@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from meshforge.core.errors import (
     DataNotFound,
     MissingColumn,
 )
+from meshforge.core.seeding import window_shuffle
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class DocumentWindows:
 
     def _order(self, block: int, n: int) -> list[int]:
         order = list(range(n))
-        random.Random(f"{self.seed}/{self.dp_rank}/{block}").shuffle(order)
+        window_shuffle(self.seed, self.dp_rank, block).shuffle(order)  # a per-rank stream (core.seeding)
         return order
 
     def next_windows(self, n: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from meshforge.configs.schema import DataConfig
 from meshforge.core.errors import CheckpointError, DataError
-from meshforge.core.seeding import seeded_generator
+from meshforge.core.seeding import seeded_generator, source_generator
 
 
 class TokenSource(Protocol):
@@ -51,7 +51,7 @@ class MarkovSource:
 
     def __init__(self, vocab_size: int, seq_len: int, branching: int = 4, seed: int = 0):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
-        g = torch.Generator().manual_seed(seed)
+        g = source_generator(seed)
         branching = min(branching, vocab_size)
         succ = _distinct_successors(vocab_size, branching, g)
         weights = -torch.rand(vocab_size, branching, generator=g, dtype=torch.float64).log()  # Dirichlet(1)

@@ -82,11 +82,15 @@ def _local_folder(spec: str) -> Path:
         raise DataNotFound(
             f"data.tokenizer = {spec!r}: no tokenizer.json there; use 'byte', a folder or a hub id"
         )
-    try:  # a hub id ("org/name"): its tokenizer files only
-        from huggingface_hub import snapshot_download
+    import httpx
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
 
+    try:  # a hub id ("org/name"): its tokenizer files only
         return Path(snapshot_download(spec, allow_patterns=["tokenizer*", "special_tokens_map.json"]))
-    except Exception as e:
+    # what a download can meet: HTTP errors (gated, not found: HfHubHTTPError is an OSError),
+    # no network or offline mode (httpx's errors, OSError), a name the hub refuses
+    except (OSError, httpx.HTTPError, HFValidationError) as e:
         raise DataNotFound(
             f"data.tokenizer = {spec!r} cannot be downloaded ({type(e).__name__}: {str(e)[:200]}). "
             f"Gated models (meta-llama/*) need access on the hub and `hf auth login`; offline, fetch it "

@@ -11,6 +11,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -18,6 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import LaunchFailed
+from meshforge.core.logs import LOG_LEVEL_ENV, log_level_name
 from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
 from meshforge.run.observe.console import RunConsole
 from meshforge.run.observe.record import mark_failed
@@ -53,10 +55,12 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
-    os.environ[LAUNCHED_ENV] = "launcher"  # inherited by the ranks: this process owns the terminal
+    # the ranks inherit this process's environment (restored after): this process owns the
+    # terminal, and the ranks log at its level
+    rank_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
     console = RunConsole(enabled=recipe.logging.progress)
     try:
-        with RunWatcher(log_dir.parent, console, started=time.time()):
+        with mock.patch.dict(os.environ, rank_env), RunWatcher(log_dir.parent, console, started=time.time()):
             elastic_launch(config, _worker)(recipe)
     except ChildFailedError as e:
         first_rank, failure = e.get_first_failure()

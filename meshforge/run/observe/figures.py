@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure  # the object API: files only, no pyplot backend chosen
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction, pipeline_order  # noqa: E402
-from meshforge.run.observe.memtrace import CATEGORIES  # noqa: E402
+from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction, pipeline_order
+from meshforge.run.observe.memtrace import CATEGORIES
 
 COMPUTE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"}
 
@@ -20,7 +17,8 @@ COMPUTE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"
 def timeline(order: dict[int, list[str | None]], title: str):
     """A Gantt-style figure of a pipeline order: one row per rank, one cell per time step."""
     span = max(i + 1 for actions in order.values() for i, a in enumerate(actions) if action_kind(a))
-    fig, ax = plt.subplots(figsize=(max(6, span * 0.35), 0.6 * len(order) + 1.5))
+    fig = Figure(figsize=(max(6, span * 0.35), 0.6 * len(order) + 1.5))
+    ax = fig.subplots()
     for rank, actions in order.items():
         for t, a in enumerate(actions[:span]):
             kind = action_kind(a)
@@ -55,7 +53,8 @@ def save_pipeline(schedule, title: str, path: Path) -> tuple:
 
 def breakdown_figure(per_rank: list[dict[str, float]], title: str):
     """A stacked bar per rank: the categories at that rank's peak, in MiB."""
-    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
+    fig = Figure(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
+    ax = fig.subplots()
     bottom = [0.0] * len(per_rank)
     for cat in CATEGORIES:
         values = [r.get(cat, 0) / 2**20 for r in per_rank]

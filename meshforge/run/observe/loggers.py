@@ -9,12 +9,14 @@ job_type; the URL (or, offline, the `wandb sync` command) shown and kept in run.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from meshforge.configs.schema import LoggingConfig
 from meshforge.run.observe.wandb_files import history, run_files
@@ -114,9 +116,6 @@ class WandbLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, run_id: str, config: dict, console):
         import wandb
 
-        # our own W&B service, not one a parent process advertises in WANDB_SERVICE: a killed
-        # run's stream then dies with its service, and its resume is not refused as "in use"
-        os.environ.pop("WANDB_SERVICE", None)
         self._wandb, self.skip_through, self.run_id = wandb, 0, run_id
         kwargs = {
             **wandb_settings(cfg),
@@ -127,15 +126,19 @@ class WandbLogger:
             "resume": "allow",
         }
         settings = wandb.Settings(init_timeout=60, silent=True, console="off")
-        try:
-            self.run = wandb.init(settings=settings, **kwargs)
-        except Exception as e:  # no network, bad key, timeout: keep the run, go offline
-            if kwargs["mode"] != "online":
-                raise
-            console.print(
-                f"[yellow]W&B online init failed ({type(e).__name__}: {e}); logging offline instead[/]"
-            )
-            self.run = wandb.init(settings=settings, **{**kwargs, "mode": "offline"})
+        # our own W&B service, not one a parent process advertises in WANDB_SERVICE (read at init):
+        # a killed run's stream then dies with its service, and its resume is not refused as "in use"
+        with mock.patch.dict(os.environ):
+            os.environ.pop("WANDB_SERVICE", None)
+            try:
+                self.run = wandb.init(settings=settings, **kwargs)
+            except (wandb.errors.Error, OSError) as e:  # no network, bad key, timeout: go offline
+                if kwargs["mode"] != "online":
+                    raise
+                console.print(
+                    f"[yellow]W&B online init failed ({type(e).__name__}: {e}); logging offline instead[/]"
+                )
+                self.run = wandb.init(settings=settings, **{**kwargs, "mode": "offline"})
         self.mode = "disabled" if self.run.disabled else self.run.settings.mode
         # a custom step axis, so a resumed run continues it instead of W&B's own counter
         self.run.define_metric("step")
@@ -172,7 +175,12 @@ class WandbLogger:
 
     def log_image(self, name: str, fig) -> None:
         """A figure, in the history row of the step logged next (one row per step)."""
-        self.run.log({name: self._wandb.Image(fig)}, commit=False)
+        from PIL import Image
+
+        # rendered here as W&B renders a figure (savefig to PNG): its own path needs pyplot's state
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        self.run.log({name: self._wandb.Image(Image.open(png))}, commit=False)
 
     def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
         """A table in the run's summary (no history row of its own)."""

@@ -10,6 +10,8 @@ import json
 import struct
 from pathlib import Path
 
+from meshforge.core.errors import RunError
+
 BLOCK = 32768  # LevelDB log blocks; a record never starts in a block's last 6 bytes
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
@@ -19,7 +21,11 @@ def records(path: Path) -> list:
     from wandb.proto import wandb_internal_pb2 as pb  # wandb is slow to import: only when reading
 
     data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    if data[:4] != b":W&B":  # e.g. a file W&B was killed while creating, or someone else's
+        raise RunError(
+            f"{path} is not a W&B run file (it starts {data[:4]!r}, not b':W&B'); "
+            "move it out of the run's wandb/ folder and run again"
+        )
     out, pos, pending = [], 7, b""
     while pos + 7 <= len(data):
         left = BLOCK - pos % BLOCK

@@ -32,7 +32,15 @@ class _SequentialNormReduction(logging.Filter):
         return "sequential all_reduce operations will be performed" not in record.getMessage()
 
 
-logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_SequentialNormReduction())
+@contextlib.contextmanager
+def _quiet_sequential_norm_reduction():
+    """The filter above on DTensor's redistribute logger, only while a grad norm is reduced."""
+    logger, quiet = logging.getLogger("torch.distributed.tensor._redistribute"), _SequentialNormReduction()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -88,10 +96,11 @@ def clip_grad_norm(
             by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total_sq += norm.float() ** 2
+    with _quiet_sequential_norm_reduction():
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(group, 2.0)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            total_sq += norm.float() ** 2
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt() * unscale

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from meshforge.configs import Recipe, recipe_to_dict
-from meshforge.core.errors import Interrupted, OutOfMemory
+from meshforge.core.errors import Interrupted, OutOfMemory, Problem, RecipeError
 from meshforge.core.logs import setup_logging
+from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import build_meshes, check_parameter_count, materialize, parallelize
+from meshforge.parallelisms.fsdp import quiet_embedding_view_warning
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run.checkpoint.dcp import Checkpointer
@@ -70,10 +72,10 @@ class Trainer:
             start_memory_history(self.env.device)
         self.dims = ParallelDims.from_config(r.mesh)
         if self.dims.world_size != self.env.world_size:
-            raise RuntimeError(
-                f"mesh {self.dims.degrees} needs {self.dims.world_size} ranks, running {self.env.world_size}"
-            )
-        torch.manual_seed(r.seed)
+            need, running = self.dims.world_size, self.env.world_size
+            fix = f"needs {need} ranks, {running} are running; launch {need} processes or change the mesh"
+            raise RecipeError([Problem("mesh", self.dims.spelled(), fix)])
+        seed_process(r.seed)
         if r.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.meshes = build_meshes(self.dims, self.env.device.type) if dist.is_initialized() else None
@@ -375,6 +377,7 @@ def train(recipe: Recipe) -> RunState:
     """Train `recipe` in this process (one rank of the job); used by the launcher."""
     setup_logging()  # a spawned rank: the level the launcher was given (MESHFORGE_LOG_LEVEL)
     try:
-        return Trainer(recipe).run()
+        with quiet_embedding_view_warning():
+            return Trainer(recipe).run()
     finally:
         mfdist.teardown()
