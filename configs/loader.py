@@ -154,7 +154,10 @@ def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
     # goes (or a list for a table); anything else is a bug and keeps its traceback
     except (OmegaConfBaseException, TypeError):
         hint = typing.get_type_hints(cls)[key]
-        expected = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        plain = (
+            getattr(hint, "__name__", None) if not typing.get_args(hint) else None
+        )  # List[float], not List
+        expected = plain or str(hint).replace("typing.", "")
         return [Problem(name, value, f"wrong type: expected {expected}")]
 
 

@@ -322,6 +322,31 @@ def test_a_gated_hub_tokenizer_that_cannot_be_read_says_how_to_get_it(monkeypatc
     )
 
 
+def test_a_gated_repo_gets_the_friendly_message_and_a_bug_keeps_its_traceback(monkeypatch):
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    url = "https://huggingface.co/api/models/meta-llama/Llama-3.2-1B/revision/main"
+    response = httpx.Response(403, request=httpx.Request("GET", url))
+
+    def gated(repo_id, **kwargs):  # what the hub answers a user without access
+        raise GatedRepoError(f"Access to model {repo_id} is restricted.", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
+    with pytest.raises(DataNotFound) as e:
+        HFTokenizer("meta-llama/Llama-3.2-1B")
+    assert "cannot be downloaded (GatedRepoError: Access to model meta-llama/Llama-3.2-1B" in str(e.value)
+    assert "hf auth login" in str(e.value)
+
+    def buggy(repo_id, **kwargs):  # a bug on our side (a wrong argument) is not a download story
+        raise TypeError("snapshot_download() got an unexpected keyword argument 'allow'")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", buggy)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        HFTokenizer("meta-llama/Llama-3.2-1B")
+
+
 def test_ranks_read_whole_files_even_when_dp_does_not_divide_their_count(jsonl):
     """4 files over 3 ranks: 2, 1 and 1 files, each rank only its own (FineWeb-Edu's sample has
     14 parquet files for llm_1b's 8 ranks)."""

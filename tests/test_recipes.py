@@ -96,6 +96,19 @@ def test_wrong_types_name_the_expected_type(tmp_path):
     assert "expected bool" in p["fsdp.reshard_after_forward"]
 
 
+def test_a_table_where_a_list_goes_is_a_wrong_type_and_a_bug_is_not(tmp_path, monkeypatch):
+    p = problems(tmp_path, SINGLE + "[optimizer]\nbetas = { first = 0.9 }\n")
+    assert p["optimizer.betas"] == "wrong type: expected List[float]"
+    from meshforge.configs import loader
+
+    def broken(*args, **kwargs):  # a bug while checking types is a bug, not a user's wrong type
+        raise AttributeError("'NoneType' object has no attribute 'merge'")
+
+    monkeypatch.setattr(loader.OmegaConf, "merge", broken)
+    with pytest.raises(AttributeError, match="has no attribute 'merge'"):
+        load_recipe(write(tmp_path, SINGLE + "[train]\nsteps = 3\n"))
+
+
 def test_bad_override_syntax(tmp_path):
     p = problems(tmp_path, SINGLE, overrides=["train.steps"])
     assert "key=value" in p["override"]

@@ -4,6 +4,7 @@ and W&B's own offline run files read back after a killed and resumed run."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,25 @@ def test_a_failing_online_start_falls_back_to_offline(monkeypatch, tmp_path):
     assert modes == ["online", "offline"]
     assert logger.mode == "offline" and "logging offline instead" in console.export_text()
     assert list(tmp_path.glob("wandb/offline-run-*run-1234"))
+
+
+def test_a_bug_in_wandb_init_is_not_taken_for_a_network_failure(monkeypatch, tmp_path):
+    import wandb
+
+    seen, modes = [], []
+    monkeypatch.setenv("WANDB_SERVICE", "3-1-tcp-localhost-1")  # a parent process's service
+
+    def init(**kwargs):
+        modes.append(kwargs["mode"])
+        seen.append(os.environ.get("WANDB_SERVICE"))
+        raise TypeError("init() got an unexpected keyword argument 'resume_from'")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        WandbLogger(LoggingConfig(wandb_mode="online"), tmp_path, "run", "run-1", {}, Console())
+    assert modes == ["online"]  # no offline retry: a bug keeps its traceback
+    # W&B starts its own service (not the parent's), and the environment is given back after
+    assert seen == [None] and os.environ["WANDB_SERVICE"] == "3-1-tcp-localhost-1"
 
 
 def test_disabled_writes_nothing(tmp_path):
