@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 from conftest import QUICK, RECIPES, cli_env, run_cli
 
+from meshforge.core.errors import UsageError
+from meshforge.core.topology import MESH_DIMS, ParallelDims
 from meshforge.experiments import compare
 from meshforge.experiments.sweep import mesh_shapes, sweep_points
 from meshforge.run.observe import wandb_files as wf
@@ -28,9 +31,24 @@ def test_every_mesh_of_a_world_is_enumerated():
     shapes = mesh_shapes(8)
     assert len(shapes) == 20 and len({tuple(s.values()) for s in shapes}) == 20
     assert all(s["dp_replicate"] * s["dp_shard"] * s["tp"] * s["pp"] == 8 for s in shapes)
+    # the dim order has one owner: ParallelDims' fields are MESH_DIMS, and shapes come in sweep order
+    assert {f.name for f in dataclasses.fields(ParallelDims)} == set(MESH_DIMS) and list(shapes[0]) == list(
+        MESH_DIMS
+    )
+    assert [tuple(s.values()) for s in shapes[:3]] == [(8, 1, 1, 1), (4, 1, 1, 2), (2, 1, 1, 4)]
+    assert ParallelDims.from_degrees({**shapes[1], "label": "x"}).label() == "tp2-pp4"
     points = sweep_points(4, {"pp.schedule": ["1F1B", "GPipe"]})
     assert len(points) == 2 * len(mesh_shapes(4)) == 20
     assert "dp2-tp2-schedule=GPipe" in {p.label for p in points}
+
+
+def test_compare_errors_say_what_to_pass_and_exit_2(tmp_path):
+    with pytest.raises(UsageError, match="expected <run>/run.json") as e:
+        compare.find_runs([tmp_path])
+    assert e.value.exit_code == 2
+    runs = [compare.Run(name, tmp_path / name, {}, []) for name in ("dp4", "dp2-tp2")]
+    with pytest.raises(UsageError, match="--baseline 'dp8' is not among the runs; use one of: dp4, dp2-tp2"):
+        compare.parity(runs, "dp8", 1e-5)
 
 
 @pytest.fixture(scope="module")
