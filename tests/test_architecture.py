@@ -261,6 +261,7 @@ def import_side_effects(modules: list[str], libs=THIRD_PARTY, path: Path | None 
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch, every extra and ~100 modules
 def test_importing_any_module_changes_no_process_wide_state():
     """Warnings filters, logging, os.environ and matplotlib's backend are the process's, not a
     module's: every meshforge module (the optional-extra ones where the extra is installed)

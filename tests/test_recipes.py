@@ -9,6 +9,7 @@ from conftest import RECIPES
 
 from meshforge.configs import RecipeError
 from meshforge.configs.schema import Recipe, field_doc, sections
+from meshforge.core.topology import ParallelDims
 from meshforge.recipe import load_recipe
 
 
@@ -123,6 +124,9 @@ def test_mesh_product_must_equal_world(tmp_path):
     assert "only one degree may be -1" in p["mesh"]
     p = problems(tmp_path, "[mesh]\ndp_shard = -1\n")
     assert "--nproc" in p["mesh.dp_shard"]
+    with pytest.raises(RecipeError, match="needs 4 ranks, 2 are running") as e:  # a trainer's own check
+        ParallelDims(dp_shard=2, tp=2).check_world(2)
+    assert e.value.exit_code == 2
 
 
 def test_heads_and_kv_heads_must_divide_by_tp(tmp_path):

@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from meshforge.core.errors import Problem, RecipeError
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outer -> inner: the one spelling of the dim order
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims, outer -> inner (a batch splits over both)
 _LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("tp", "tp"), ("pp", "pp"))
@@ -66,6 +68,12 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return math.prod(self.degrees.values())
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a world of another size than this mesh's (a launch that does not match the recipe)."""
+        if world_size != self.world_size:
+            fix = f"needs {self.world_size} ranks, {world_size} are running; launch that many or change it"
+            raise RecipeError([Problem("mesh", self.spelled(), fix)])
 
     @property
     def dp(self) -> int:

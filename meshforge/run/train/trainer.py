@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.configs import Recipe, recipe_to_dict
-from meshforge.core.errors import Interrupted, OutOfMemory, Problem, RecipeError
+from meshforge.core.errors import Interrupted, OutOfMemory
 from meshforge.core.logs import setup_logging
 from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
@@ -71,10 +71,7 @@ class Trainer:
         if r.logging.memory_history:
             start_memory_history(self.env.device)
         self.dims = ParallelDims.from_config(r.mesh)
-        if self.dims.world_size != self.env.world_size:
-            need, running = self.dims.world_size, self.env.world_size
-            fix = f"needs {need} ranks, {running} are running; launch {need} processes or change the mesh"
-            raise RecipeError([Problem("mesh", self.dims.spelled(), fix)])
+        self.dims.check_world(self.env.world_size)
         seed_process(r.seed)
         if r.train.deterministic:
             torch.use_deterministic_algorithms(True)
