@@ -73,14 +73,21 @@ def repo() -> Path:
     return REPO
 
 
+_seen_temp_dirs: set[Path] = set()
+
+
 @pytest.fixture(autouse=True)
-def multi_process_runs_are_marked_slow(request):
+def multi_process_runs_are_marked_slow(request, tmp_path_factory):
     """A test not marked slow that launched ranks here (the local launcher writes one log folder
-    per rank under <run>/logs/) fails: `-m "not slow"` must stay the quick loop."""
-    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    per rank under <run>/logs/), itself or through a fixture it set up, fails: `-m "not slow"`
+    must stay the quick loop."""
     yield
-    if tmp is None or request.node.get_closest_marker("slow"):
+    base = tmp_path_factory.getbasetemp()
+    new = set(base.iterdir()) - _seen_temp_dirs  # tmp_path and module fixtures' folders of this test
+    _seen_temp_dirs.update(new)
+    if request.node.get_closest_marker("slow"):
         return
-    ranks = {p.name for p in tmp.glob("**/logs/*/attempt_*/*") if p.is_dir()}
-    if len(ranks) > 1:
-        pytest.fail(f"this test launched {len(ranks)} ranks: mark it @pytest.mark.slow")
+    for folder in new:
+        ranks = {p.name for p in folder.glob("**/logs/*/attempt_*/*") if p.is_dir()}
+        if len(ranks) > 1:
+            pytest.fail(f"this test launched {len(ranks)} ranks: mark it @pytest.mark.slow")

@@ -33,6 +33,7 @@ def three_d(tmp_path_factory):
     return out / "m", proc
 
 
+@pytest.mark.slow
 def test_breakdown_per_rank_is_logged_tabled_and_drawn(three_d):
     run_dir, proc = three_d
     summary = json.loads((run_dir / "run.json").read_text())["summary"]["memory_breakdown"]
@@ -57,6 +58,7 @@ def test_breakdown_per_rank_is_logged_tabled_and_drawn(three_d):
     assert "memory_breakdown" in acc.Tags()["images"] and "mem_breakdown/total_max" in acc.Tags()["scalars"]
 
 
+@pytest.mark.slow
 def test_traced_estimate_is_within_5_percent_of_the_measured_peak(three_d):
     """The estimate traces one rank per pipeline stage on fake tensors; the run measured all 8."""
     from meshforge.recipe import load_recipe
