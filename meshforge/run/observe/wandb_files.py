@@ -2,12 +2,14 @@
 `run-<id>.wandb` log of protobuf `Record`s, in LevelDB's log format after a 7-byte header.
 
 A resumed offline run asks what W&B kept of the run before it stopped (a killed process
-keeps only what W&B had flushed), and the tests read what users would upload."""
+keeps only what W&B had flushed) and which folders `wandb sync` must be given, and the tests
+read what users would upload."""
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 BLOCK = 32768  # LevelDB log blocks; a record never starts in a block's last 6 bytes
@@ -16,11 +18,18 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 def records(path: Path) -> list:
     """Every Record in one .wandb file, in order."""
+    return list(iter_records(path))
+
+
+def iter_records(path: Path) -> Iterator:
+    """The Records of one .wandb file, in order, read as they are asked for (an empty file has none)."""
     from wandb.proto import wandb_internal_pb2 as pb  # wandb is slow to import: only when reading
 
     data = Path(path).read_bytes()
+    if not data:  # created, nothing written yet (a process killed at once)
+        return
     assert data[:4] == b":W&B", f"{path} is not a W&B run file"
-    out, pos, pending = [], 7, b""
+    pos, pending = 7, b""
     while pos + 7 <= len(data):
         left = BLOCK - pos % BLOCK
         if left < 7:
@@ -38,8 +47,7 @@ def records(path: Path) -> list:
         if kind in (FULL, LAST):
             record = pb.Record()
             record.ParseFromString(pending)
-            out.append(record)
-    return out
+            yield record
 
 
 def run_files(run_dir: Path) -> list[Path]:
@@ -60,8 +68,21 @@ def history(files: list[Path]) -> list[dict]:
 
 
 def run_record(path: Path):
-    """The RunRecord (id, project, job_type, tags, group, config) of one file."""
-    return next(r.run for r in records(path) if r.WhichOneof("record_type") == "run")
+    """The RunRecord (id, project, job_type, tags, group, config, start time) of one file; None
+    when W&B wrote none to it (its process was killed first)."""
+    return next((r.run for r in iter_records(path) if r.WhichOneof("record_type") == "run"), None)
+
+
+def segments(wandb_dir: Path, run_id: str) -> list[Path]:
+    """The offline folders of one W&B run id (a resumed run writes one per process) that hold its
+    run record, in start order: what `wandb sync` uploads as one run, in the order it does. A folder
+    without a run record is left out: it holds nothing, and `wandb sync` given it uploads nothing."""
+    found = []
+    for f in Path(wandb_dir).glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
+        run = run_record(f)
+        if run is not None:
+            found.append((run.start_time.ToMicroseconds(), f.parent))
+    return [folder for _, folder in sorted(found)]
 
 
 def config(path: Path) -> dict:
