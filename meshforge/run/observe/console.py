@@ -187,9 +187,7 @@ class RunConsole:
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)
-        if (
-            "wandb" in logger_paths
-        ):  # on a line of its own: a `wandb sync` command folded in a cell won't paste
+        if "wandb" in logger_paths:  # a line of its own: a `wandb sync` folded in a cell won't paste
             self.console.print(f"W&B: {logger_paths['wandb']}", highlight=False, markup=False)
         per_rank = s.get("per_rank_memory", [])
         if len(per_rank) > 1:
