@@ -94,6 +94,12 @@ def test_the_sync_command_names_each_folder_that_holds_the_run_in_start_order(tm
             logger.log({"step": step, "loss": 1 / step})
         where = logger.where
         logger.close()
+        # in this process W&B's service writes the file after finish() returns (a process that
+        # ends, as a run's does, waits for it)
+        deadline = time.monotonic() + 60
+        while not any(h["step"] == last for h in wf.history(wf.run_files(tmp_path))):
+            assert time.monotonic() < deadline, f"W&B did not write step {last}"
+            time.sleep(0.1)
         return kept, where
 
     first = segment(1, 3)
