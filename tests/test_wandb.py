@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -83,33 +82,53 @@ def test_disabled_writes_nothing(tmp_path):
     assert logger.mode == "disabled" and logger.path is None and not list(tmp_path.iterdir())
 
 
+def offline_segment(run_dir: Path, first: int, last: int) -> tuple[int, str]:
+    """One process's share of the offline W&B run `s-1`: steps first..last; (kept step, where)."""
+    logger = WandbLogger(LoggingConfig(wandb_mode="offline"), run_dir, "s", "s-1", {}, Console())
+    kept = logger.kept_step()
+    for step in range(first, last + 1):
+        logger.log({"step": step, "loss": 1 / step})
+    where = logger.where
+    logger.close()
+    # in this process W&B's service writes the file after finish() returns (a process that ends,
+    # as a run's does, waits for it)
+    deadline = time.monotonic() + 60
+    while not any(h["step"] == last for h in wf.history(wf.run_files(run_dir))):
+        assert time.monotonic() < deadline, f"W&B did not write step {last}"
+        time.sleep(0.1)
+    started = int(time.time())
+    while int(time.time()) == started:  # W&B names a run's folder by the second it starts in
+        time.sleep(0.05)
+    return kept, where
+
+
+def sync_to_stand_in(command: str, cwd: Path) -> tuple[FakeWandbServer, str]:
+    """Run a printed `wandb sync` command (W&B's own client) against a local stand-in server;
+    the server (what it holds) and the command's stderr."""
+    with FakeWandbServer() as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+        env.update(
+            WANDB_BASE_URL=server.url, WANDB_API_KEY="x" * 40, WANDB_CONFIG_DIR=str(cwd / "wandb-config")
+        )
+        sync = subprocess.run(
+            ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert sync.returncode == 0, sync.stderr[-3000:]
+    return server, sync.stderr
+
+
 def test_the_sync_command_names_each_folder_that_holds_the_run_in_start_order(tmp_path):
     """Two processes of one offline run (the second a resume) and, between them, one killed before
     W&B wrote anything (an empty run file, and one with only W&B's header)."""
 
     def segment(first: int, last: int) -> tuple[int, str]:
-        logger = WandbLogger(LoggingConfig(wandb_mode="offline"), tmp_path, "s", "s-1", {}, Console())
-        kept = logger.kept_step()
-        for step in range(first, last + 1):
-            logger.log({"step": step, "loss": 1 / step})
-        where = logger.where
-        logger.close()
-        # in this process W&B's service writes the file after finish() returns (a process that
-        # ends, as a run's does, waits for it)
-        deadline = time.monotonic() + 60
-        while not any(h["step"] == last for h in wf.history(wf.run_files(tmp_path))):
-            assert time.monotonic() < deadline, f"W&B did not write step {last}"
-            time.sleep(0.1)
-        return kept, where
+        return offline_segment(tmp_path, first, last)
 
     first = segment(1, 3)
     empty = [tmp_path / "wandb" / f"offline-run-29990101_00000{i}-s-1" for i in range(2)]
     for folder, content in zip(empty, (b"", b":W&B" + bytes(3))):
         folder.mkdir()
         (folder / "run-s-1.wandb").write_bytes(content)
-    started = int(time.time())
-    while int(time.time()) == started:  # W&B names a run's folder by the second it starts in
-        time.sleep(0.05)
     second = segment(4, 6)
 
     folders = sorted(set(tmp_path.glob("wandb/offline-run-*-s-1")) - set(empty))  # the two that hold the run
@@ -123,6 +142,27 @@ def test_the_sync_command_names_each_folder_that_holds_the_run_in_start_order(tm
     assert [h["step"] for h in wf.history(files)] == [1, 2, 3, 4, 5, 6]
     assert [h["_step"] for h in wf.history(files)] == [0, 1, 2, 0, 1, 2]  # W&B's own counter restarts
     assert [wf.run_record(f).resume for f in files] == [True, True]  # which `wandb sync` numbers on
+
+
+@pytest.mark.slow
+def test_a_folder_cut_short_mid_record_ends_its_sync_command(tmp_path):
+    """A process killed while W&B wrote (its file ends inside a record): `wandb sync` uploads what
+    comes before the cut, then skips the run's later folders in that command; so they get their
+    own command, and W&B's client numbers them on."""
+    offline_segment(tmp_path, 1, 3)
+    (cut,) = wf.run_files(tmp_path)
+    assert not wf.ends_mid_record(cut)
+    cut.write_bytes(cut.read_bytes()[:-3])
+    assert wf.ends_mid_record(cut)
+    kept, where = offline_segment(tmp_path, 4, 6)
+    assert kept == 3  # the whole records before the cut
+    folders = wf.segments(tmp_path / "wandb", "s-1")
+    command = f"wandb sync {folders[0]}; wandb sync {folders[1]}"
+    assert len(folders) == 2 and where == f"offline: upload with `{command}`"
+    server, stderr = sync_to_stand_in(command, tmp_path)
+    assert "the file ends with an incomplete record" in stderr  # W&B's own complaint, and it goes on
+    uploaded = server.history("s-1")
+    assert [(h["_step"], h["step"]) for h in uploaded] == [(i, i + 1) for i in range(6)]
 
 
 def test_settings_follow_wandb_precedence():
@@ -233,16 +273,9 @@ def test_a_preempted_killed_and_resumed_offline_run_uploads_as_one_run_with_each
     assert folders[-1].name == Path(info["wandb"].rstrip("`").split()[-1]).name  # this process's, last
 
     # W&B's own upload of that command, to a local stand-in of its server
-    with FakeWandbServer() as server:
-        sync_env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-        sync_env.update(
-            WANDB_BASE_URL=server.url, WANDB_API_KEY="x" * 40, WANDB_CONFIG_DIR=str(tmp_path / "wandb-config")
-        )
-        sync = subprocess.run(
-            shlex.split(command), cwd=tmp_path, env=sync_env, capture_output=True, text=True, timeout=300
-        )
-        assert sync.returncode == 0 and "ERROR" not in sync.stderr, sync.stderr[-3000:]
-        uploaded = [h for h in server.history(run_id) if "loss" in h]
+    server, stderr = sync_to_stand_in(command, tmp_path)
+    assert "ERROR" not in stderr, stderr[-3000:]
+    uploaded = [h for h in server.history(run_id) if "loss" in h]
     assert [h["step"] for h in uploaded] == list(range(1, 11))  # each step once, in order, in one run
     assert [h["_step"] for h in uploaded] == list(range(10))  # W&B's own counter numbered on, no repeats
     assert all(abs(h["loss"] - by_step[h["step"]]) < 1e-6 for h in uploaded)

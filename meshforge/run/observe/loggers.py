@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.configs.schema import LoggingConfig
-from meshforge.run.observe.wandb_files import history, segments
+from meshforge.run.observe.wandb_files import ends_mid_record, history, segments
 
 WALL_CLOCK = "time"  # kept in the JSONL record, never charted
 
@@ -165,8 +165,16 @@ class WandbLogger:
     def sync_command(self) -> str:
         """`wandb sync` with every folder of this run (this process's last): W&B uploads them as
         one run in start order and numbers each folder's steps on from the last (a folder left out
-        would be lost, and one synced later would land after the rest)."""
-        return shlex.join(["wandb", "sync", *map(str, self._earlier_folders()), self.path])
+        would be lost, and one synced later would land after the rest). A folder that ends inside
+        a record stops the command after it, so the folders after it go in a second command."""
+        commands, folders = [], []
+        for folder in self._earlier_folders():
+            folders.append(str(folder))
+            if ends_mid_record(folder / f"run-{self.run_id}.wandb"):
+                commands.append(folders)
+                folders = []
+        commands.append([*folders, self.path])
+        return "; ".join(shlex.join(["wandb", "sync", *group]) for group in commands)
 
     def kept_step(self) -> int:
         """The last step W&B holds of this run from before a resume: online, the server's

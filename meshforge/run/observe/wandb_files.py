@@ -21,15 +21,14 @@ def records(path: Path) -> list:
     return list(iter_records(path))
 
 
-def iter_records(path: Path) -> Iterator:
-    """The Records of one .wandb file, in order, read as they are asked for (an empty file has none)."""
-    from wandb.proto import wandb_internal_pb2 as pb  # wandb is slow to import: only when reading
-
+def _fragments(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """(kind, bytes, whole) of each fragment of the log, in order; `whole` is False for a last
+    fragment cut short (its writer was killed mid-write). An empty file has none."""
     data = Path(path).read_bytes()
     if not data:  # created, nothing written yet (a process killed at once)
         return
     assert data[:4] == b":W&B", f"{path} is not a W&B run file"
-    pos, pending = 7, b""
+    pos = 7
     while pos + 7 <= len(data):
         left = BLOCK - pos % BLOCK
         if left < 7:
@@ -40,14 +39,33 @@ def iter_records(path: Path) -> Iterator:
         if kind == 0 and length == 0:
             pos += BLOCK - pos % BLOCK if pos % BLOCK else 0
             continue
-        if kind in (FULL, FIRST):
-            pending = chunk
-        else:
-            pending += chunk
+        yield kind, chunk, len(chunk) == length
+    if pos < len(data) and BLOCK - pos % BLOCK >= 7:  # a fragment's header cut short
+        yield 0, b"", False
+
+
+def iter_records(path: Path) -> Iterator:
+    """The whole Records of one .wandb file, in order, read as they are asked for."""
+    from wandb.proto import wandb_internal_pb2 as pb  # wandb is slow to import: only when reading
+
+    pending = b""
+    for kind, chunk, whole in _fragments(path):
+        if not whole:
+            return  # a record cut short: W&B's own reader stops there too
+        pending = chunk if kind in (FULL, FIRST) else pending + chunk
         if kind in (FULL, LAST):
             record = pb.Record()
             record.ParseFromString(pending)
             yield record
+
+
+def ends_mid_record(path: Path) -> bool:
+    """Whether the file ends inside a record (its writer was killed mid-write): `wandb sync` then
+    uploads the records before it and skips the run's later folders given in the same command."""
+    last = None
+    for last in _fragments(path):
+        pass
+    return last is not None and (not last[2] or last[0] in (FIRST, MIDDLE))
 
 
 def run_files(run_dir: Path) -> list[Path]:
