@@ -183,10 +183,12 @@ class RunConsole:
                 )
             )
         rows.append(("records", str(run_dir / "metrics.jsonl") + ", run.json"))
-        rows += list(logger_paths.items())
+        rows += [(k, v) for k, v in logger_paths.items() if k != "wandb"]
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)
+        if "wandb" in logger_paths:  # a line of its own: a `wandb sync` folded in a cell won't paste
+            self.console.print(f"W&B: {logger_paths['wandb']}", highlight=False, markup=False)
         per_rank = s.get("per_rank_memory", [])
         if len(per_rank) > 1:
             self.console.print(memory_table(per_rank))

@@ -5,6 +5,8 @@ blocks on the network: W&B runs offline without a key and falls back to offline 
 online init fails or times out. W&B is used by its own conventions: the recipe's settings,
 else W&B's environment variables, else defaults; the nested recipe as the config; a
 job_type; the URL (or, offline, the `wandb sync` command) shown and kept in run.json.
+A resumed offline run writes a folder per process under one run id; `wandb sync` given them all
+uploads them as one run, in start order, numbering each folder's steps on from the last.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import Any
 from unittest import mock
 
 from meshforge.configs.schema import LoggingConfig
-from meshforge.run.observe.wandb_files import history, run_files
+from meshforge.run.observe.wandb_files import ends_mid_record, history, segments
 
 WALL_CLOCK = "time"  # kept in the JSONL record, never charted
 
@@ -155,18 +158,34 @@ class WandbLogger:
             return "disabled"
         if self.mode == "online":  # (asking an offline run for its URL makes W&B warn)
             return self.run.url
-        return f"offline: upload with `wandb sync {self.path}`"
+        return f"offline: upload with `{self.sync_command()}`"
+
+    def _earlier_folders(self) -> list[Path]:
+        """This run id's offline folders from before a resume that hold anything, in start order."""
+        here = Path(self.path)
+        return [folder for folder in segments(here.parent, self.run_id) if folder != here]
+
+    def sync_command(self) -> str:
+        """`wandb sync` with every folder of this run (this process's last): W&B uploads them as
+        one run in start order and numbers each folder's steps on from the last (a folder left out
+        would be lost, and one synced later would land after the rest). A folder that ends inside
+        a record stops the command after it, so the folders after it go in a second command."""
+        commands, folders = [], []
+        for folder in self._earlier_folders():
+            folders.append(str(folder))
+            if ends_mid_record(folder / f"run-{self.run_id}.wandb"):
+                commands.append(folders)
+                folders = []
+        commands.append([*folders, self.path])
+        return "; ".join(shlex.join(["wandb", "sync", *group]) for group in commands)
 
     def kept_step(self) -> int:
         """The last step W&B holds of this run from before a resume: online, the server's
-        summary; offline, the earlier offline runs' files (a killed process keeps only what
-        W&B had flushed)."""
+        summary; offline, the earlier offline folders (a killed process keeps only what W&B had
+        flushed)."""
         if self.mode == "online":
             return int(self.run.summary.get("step") or 0)
-        here = Path(self.run.dir).parent
-        files = [
-            f for f in run_files(here.parent.parent) if f.parent != here and f.stem == f"run-{self.run_id}"
-        ]
+        files = [folder / f"run-{self.run_id}.wandb" for folder in self._earlier_folders()]
         return max((row.get("step", 0) for row in history(files)), default=0)
 
     def log(self, metrics: dict[str, Any]) -> None:

@@ -2,12 +2,14 @@
 `run-<id>.wandb` log of protobuf `Record`s, in LevelDB's log format after a 7-byte header.
 
 A resumed offline run asks what W&B kept of the run before it stopped (a killed process
-keeps only what W&B had flushed), and the tests read what users would upload."""
+keeps only what W&B had flushed) and which folders `wandb sync` must be given, and the tests
+read what users would upload."""
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from meshforge.core.errors import RunError
@@ -18,15 +20,21 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 def records(path: Path) -> list:
     """Every Record in one .wandb file, in order."""
-    from wandb.proto import wandb_internal_pb2 as pb  # wandb is slow to import: only when reading
+    return list(iter_records(path))
 
+
+def _fragments(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """(kind, bytes, whole) of each fragment of the log, in order; `whole` is False for a last
+    fragment cut short (its writer was killed mid-write). An empty file has none."""
     data = Path(path).read_bytes()
-    if data[:4] != b":W&B":  # e.g. a file W&B was killed while creating, or someone else's
+    if not data:  # created, nothing written yet (a process killed at once)
+        return
+    if data[:4] != b":W&B":  # e.g. someone else's file in the run's wandb/ folder
         raise RunError(
             f"{path} is not a W&B run file (it starts {data[:4]!r}, not b':W&B'); "
             "move it out of the run's wandb/ folder and run again"
         )
-    out, pos, pending = [], 7, b""
+    pos = 7
     while pos + 7 <= len(data):
         left = BLOCK - pos % BLOCK
         if left < 7:
@@ -37,15 +45,33 @@ def records(path: Path) -> list:
         if kind == 0 and length == 0:
             pos += BLOCK - pos % BLOCK if pos % BLOCK else 0
             continue
-        if kind in (FULL, FIRST):
-            pending = chunk
-        else:
-            pending += chunk
+        yield kind, chunk, len(chunk) == length
+    if pos < len(data) and BLOCK - pos % BLOCK >= 7:  # a fragment's header cut short
+        yield 0, b"", False
+
+
+def iter_records(path: Path) -> Iterator:
+    """The whole Records of one .wandb file, in order, read as they are asked for."""
+    from wandb.proto import wandb_internal_pb2 as pb  # wandb is slow to import: only when reading
+
+    pending = b""
+    for kind, chunk, whole in _fragments(path):
+        if not whole:
+            return  # a record cut short: W&B's own reader stops there too
+        pending = chunk if kind in (FULL, FIRST) else pending + chunk
         if kind in (FULL, LAST):
             record = pb.Record()
             record.ParseFromString(pending)
-            out.append(record)
-    return out
+            yield record
+
+
+def ends_mid_record(path: Path) -> bool:
+    """Whether the file ends inside a record (its writer was killed mid-write): `wandb sync` then
+    uploads the records before it and skips the run's later folders given in the same command."""
+    last = None
+    for last in _fragments(path):
+        pass
+    return last is not None and (not last[2] or last[0] in (FIRST, MIDDLE))
 
 
 def run_files(run_dir: Path) -> list[Path]:
@@ -66,8 +92,21 @@ def history(files: list[Path]) -> list[dict]:
 
 
 def run_record(path: Path):
-    """The RunRecord (id, project, job_type, tags, group, config) of one file."""
-    return next(r.run for r in records(path) if r.WhichOneof("record_type") == "run")
+    """The RunRecord (id, project, job_type, tags, group, config, start time) of one file; None
+    when W&B wrote none to it (its process was killed first)."""
+    return next((r.run for r in iter_records(path) if r.WhichOneof("record_type") == "run"), None)
+
+
+def segments(wandb_dir: Path, run_id: str) -> list[Path]:
+    """The offline folders of one W&B run id (a resumed run writes one per process) that hold its
+    run record, in start order: what `wandb sync` uploads as one run, in the order it does. A folder
+    without a run record is left out: it holds nothing, and `wandb sync` given it uploads nothing."""
+    found = []
+    for f in Path(wandb_dir).glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
+        run = run_record(f)
+        if run is not None:
+            found.append((run.start_time.ToMicroseconds(), f.parent))
+    return [folder for _, folder in sorted(found)]
 
 
 def config(path: Path) -> dict:
