@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
-from meshforge.core.errors import UnsupportedConfig
+from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
 from meshforge.parallelisms.fsdp import DTYPES
@@ -83,7 +83,7 @@ def resolve_model(r: Recipe) -> tuple[list[Problem], object | None]:
             family = family_of_hf(m.hf)
         except FileNotFoundError:
             return [Problem("model.hf", m.hf, "no config.json there: point it at an HF model folder")], None
-        except UnsupportedConfig as e:
+        except IncompatibleWeights as e:  # an unsupported key, or a config.json that is not JSON
             return [Problem("model.hf", m.hf, str(e))], None
         if family != m.name:
             problems.append(
@@ -196,6 +196,8 @@ def check_hf_init(r: Recipe, args) -> list[Problem]:
                 "no config.json there: point it at an HF Llama folder (config.json + *.safetensors)",
             )
         ]
+    except IncompatibleWeights as e:  # an unsupported key, or a config.json that is not JSON
+        return [Problem("checkpoint.init_from_hf", folder, str(e))]
     if diff:
         return [
             Problem(

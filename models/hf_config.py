@@ -15,7 +15,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
-from meshforge.core.errors import UnsupportedConfig
+from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 
 # keys that change nothing we compute, and why
 IGNORED = {
@@ -50,7 +50,13 @@ def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} is not an HF model folder (no config.json)")
-    return json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IncompatibleWeights(f"{path} is not JSON ({e}); a truncated download? fetch it again") from e
+    if not isinstance(cfg, dict):
+        raise IncompatibleWeights(f"{path} is not a JSON object, so not an HF config; fetch it again")
+    return cfg
 
 
 def check_keys(cfg: dict, read: set[str], family: str) -> None:

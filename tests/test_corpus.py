@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from meshforge.configs import Recipe
-from meshforge.core.errors import CheckpointError, DataError, DataNotFound, MissingColumn
+from meshforge.core.errors import CheckpointError, DataError, DataNotFound
 from meshforge.run.data.corpus import DocumentWindows, open_stream, windows_to_skip
 from meshforge.run.data.loader import CorpusLoader, build_loader
 from meshforge.run.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -162,6 +162,9 @@ def test_an_hf_tokenizer_folder_brings_its_bos_and_eos(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     with pytest.raises(DataError, match="names no eos_token"):
         HFTokenizer(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 5}))
+    with pytest.raises(DataError, match="a special token is 5, not a token's text"):
+        HFTokenizer(str(tmp_path))
 
 
 def test_bad_corpora_are_errors_that_name_the_field(tmp_path, jsonl):
@@ -175,7 +178,7 @@ def test_bad_corpora_are_errors_that_name_the_field(tmp_path, jsonl):
     loader = build_loader(
         recipe({"source": "files", "path": str(jsonl / "*.jsonl"), "text_column": "body"}), 512
     )
-    with pytest.raises(MissingColumn, match="data.text_column = 'body' is not in the records' fields"):
+    with pytest.raises(DataError, match=r"part0.jsonl, line 1: no field 'body' \(it has \['id', 'text'\]\)"):
         loader.next_step()
     loader.close()
     with pytest.raises(DataError, match="has 258 tokens but model.vocab_size = 256"):

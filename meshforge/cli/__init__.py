@@ -102,18 +102,34 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     """Plan, check the machine, set an earlier run's records aside, then train: here, through
     the local launcher, under torchrun, or in JAX."""
     from meshforge.core.errors import MachineError
+    from meshforge.run.checkpoint.verify import check_checkpoints
     from meshforge.run.data.loader import check_data
     from meshforge.run.launch.distributed import pick_device_type, under_torchrun
     from meshforge.run.launch.plan import check_machine, make_plan
 
     plan = make_plan(recipe)
-    data = check_data(recipe, plan.args.vocab_size)  # nothing downloaded; bad data settings stop here
+    # what the run reads, checked here (nothing downloaded): bad data or checkpoints stop it, exit 2
+    checked, problems = {}, []
+    for name, check in (
+        ("data", lambda: check_data(recipe, plan.args.vocab_size)),
+        (
+            "checkpoint",
+            lambda: check_checkpoints(recipe.checkpoint, Path(recipe.output_dir) / recipe.run_name),
+        ),
+    ):
+        try:
+            checked[name] = check()
+        except RecipeError as e:
+            problems += e.problems
+    if problems:
+        raise RecipeError(problems, "what the run reads")
     if dry_run:
         table = Table(title=f"plan: {recipe.run_name}", show_header=False)
         for k, v in plan.rows(recipe):
             table.add_row(k, v)
-        for line in data:
-            table.add_row("data", line)
+        for name, lines in checked.items():
+            for line in lines:
+                table.add_row(name, line)
         wide(console).print(table)
         return 0
     world = plan.dims.world_size

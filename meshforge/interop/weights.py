@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from meshforge.core.errors import IncompatibleWeights
+from meshforge.core.errors import CheckpointError, CheckpointNotFound, IncompatibleWeights
 from meshforge.models import spec_of
 
 # --- torch <-> numpy, bit-exact ---------------------------------------------------------
@@ -51,13 +51,11 @@ class WeightReader:
     """
 
     def __init__(self, folder: Path, args, layout: str = "hf"):
-        from safetensors import safe_open
-
         self.args, self.interop, self.layout = args, spec_of(args).interop, layout
-        self._files = [safe_open(str(f), framework="pt") for f in sorted(Path(folder).glob("*.safetensors"))]
+        self._files = open_safetensors(Path(folder))
         self._where = {name: f for f in self._files for name in f.keys()}
         if not self._where:
-            raise FileNotFoundError(f"no *.safetensors files in {folder}")
+            raise CheckpointNotFound(f"the safetensors files in {folder} hold no tensors")
 
     def source_name(self, name: str) -> str:
         return self.interop.source_name(name, self.layout, self._where)
@@ -81,6 +79,25 @@ class WeightReader:
         h0, h1 = start // hd, -(-stop // hd)  # the heads the rows touch
         block = self.interop.permute_from_hf(sl[h0 * hd : h1 * hd, cols], h1 - h0)
         return block[start - h0 * hd : stop - h0 * hd]
+
+
+def open_safetensors(folder: Path) -> list:
+    """Every `*.safetensors` file in `folder`, opened (only its header is read: a truncated or
+    corrupt file is refused here, naming it, not at the first tensor read)."""
+    from safetensors import SafetensorError, safe_open
+
+    paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise CheckpointNotFound(f"no *.safetensors files in {folder}: point it at an HF model folder")
+    opened = []
+    for path in paths:
+        try:
+            opened.append(safe_open(str(path), framework="pt"))
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file ({e}); a truncated download? fetch it again"
+            ) from e
+    return opened
 
 
 class ArrayReader:

@@ -91,6 +91,12 @@ def dcp_load(state: dict, path: Path) -> None:
         raise CheckpointError(f"could not load checkpoint {path}: {reason}") from None
 
 
+def checkpoint_folder(cfg: CheckpointConfig, run_dir: Path) -> Path:
+    """Where a run's checkpoints go: `checkpoint.folder`, relative to the run's folder."""
+    folder = Path(cfg.folder)
+    return folder if folder.is_absolute() else run_dir / folder
+
+
 def committed(folder: Path) -> list[Path]:
     """Complete checkpoints in `folder`, oldest first; incomplete ones are warned about."""
     if not folder.is_dir():
@@ -107,26 +113,44 @@ def committed(folder: Path) -> list[Path]:
     return [p for _, p in sorted(done)]
 
 
-def resolve_load(spec: str, folder: Path) -> Path | None:
+def resolve_load(spec: str, folder: Path, field: str = "checkpoint.load") -> Path | None:
     """`latest` -> newest complete checkpoint in `folder` (None if there is none yet);
     a path -> that checkpoint, or the newest complete one inside it."""
     if spec == "latest":
         found = committed(folder)
         return found[-1] if found else None
     path = Path(spec)
+    if path.is_file():
+        raise CheckpointNotFound(
+            f"{field} = {spec!r} is a file, not a checkpoint: name its step-NNNNNNNN folder "
+            "(with meta.json) or the folder holding them"
+        )
     if (path / META).is_file():
         return path
     found = committed(path)
     if not found:
         raise CheckpointNotFound(
-            f"checkpoint.load = {spec!r}: no complete checkpoint there; "
+            f"{field} = {spec!r}: no complete checkpoint there; "
             "use 'latest' or a step-NNNNNNNN folder with meta.json"
         )
     return found[-1]
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((path / META).read_text())
+    """A checkpoint's meta.json; a CheckpointError naming the file when it is not one."""
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path / META} is not JSON ({e}): the checkpoint is corrupt; load an earlier one"
+        ) from e
+    missing = [k for k in ("step", "recipe") if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise CheckpointError(
+            f"{path / META} has no {', '.join(missing)}: not a meshforge checkpoint's meta.json; "
+            "load a step-NNNNNNNN folder meshforge wrote"
+        )
+    return meta
 
 
 def check_writable(folder: Path, need_bytes: float) -> None:

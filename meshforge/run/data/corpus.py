@@ -35,10 +35,15 @@ from meshforge.core.errors import (
     MissingColumn,
 )
 from meshforge.core.seeding import window_shuffle
+from meshforge.run.data.verify import first_problem
 
 log = logging.getLogger(__name__)
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}
+# what HF's json/parquet/text readers raise on a malformed file (ArrowInvalid is a ValueError, so is
+# UnicodeDecodeError; StopIteration from an empty file, TypeError from a line that is not an object):
+# caught only around the reader, and turned into the file and line `verify` finds, else re-raised
+READER_ERRORS = (ValueError, TypeError, StopIteration)
 
 
 def corpus_files(cfg_path: str, fmt: str | None) -> tuple[str, list[str]]:
@@ -66,7 +71,13 @@ def open_stream(cfg: DataConfig, split: str, dp_rank: int, dp_size: int):
     if cfg.source == "files":
         builder, files = corpus_files(cfg.path, cfg.format)
         kwargs = {"sample_by": cfg.text_sample_by} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        try:  # it reads the first file to learn the features
+            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        except READER_ERRORS as e:
+            found = first_problem(files[:1], builder, cfg.text_column)
+            if found is None:
+                raise
+            raise found from e
     else:
         try:
             ds = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config, split=split, streaming=True)
@@ -96,6 +107,13 @@ def open_stream(cfg: DataConfig, split: str, dp_rank: int, dp_size: int):
     return split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
 
 
+def part_files(cfg: DataConfig, dp_rank: int, dp_size: int) -> tuple[str, list[str]]:
+    """(builder, this dp rank's files in the order its stream reads them), as `open_stream`
+    splits them: one HF shard per local file, round robin when there are enough."""
+    builder, files = corpus_files(cfg.path, cfg.format)
+    return builder, files[dp_rank::dp_size] if len(files) >= dp_size else files
+
+
 @dataclass
 class Position:
     """Where a rank's stream is: see the module doc. JSON-serialisable."""
@@ -114,9 +132,19 @@ class DocumentWindows:
     `block` windows shuffled by (seed, dp rank, block number)."""
 
     def __init__(
-        self, stream, tokenizer, text_column: str, seq_len: int, block: int, seed: int, dp_rank: int
+        self,
+        stream,
+        tokenizer,
+        text_column: str,
+        seq_len: int,
+        block: int,
+        seed: int,
+        dp_rank: int,
+        files: tuple[str, list[str]] | None = None,
     ):
-        self.stream, self.tok, self.column = stream, tokenizer, text_column
+        """`files`: (builder, the part's local files in stream order), to name the file and line
+        of a record the reader fails on or that holds no text (`part_files`)."""
+        self.stream, self.tok, self.column, self.files = stream, tokenizer, text_column, files
         self.width, self.block_size, self.seed, self.dp_rank = seq_len + 1, max(1, block), seed, dp_rank
         self.position = Position()
         self._block: list[list[int]] = []
@@ -136,14 +164,35 @@ class DocumentWindows:
 
     def _document(self) -> list[int] | None:
         """The next document's tokens; None at the end of the part."""
-        record = next(self._docs, None)
+        try:
+            record = next(self._docs, None)
+        except READER_ERRORS as e:
+            found = self._bad_file()
+            if found is None:
+                raise
+            raise found from e
         if record is None:
             return None
         if self.column not in record:
-            raise MissingColumn(
+            raise self._bad_file() or MissingColumn(
                 f"data.text_column = {self.column!r} is not in the records' fields {sorted(record)}"
             )
+        if not isinstance(record[self.column], str):
+            raise self._bad_file() or DataError(
+                f"data: a record of data rank {self.dp_rank}'s part has {self.column!r} = "
+                f"{record[self.column]!r:.40}, not a string; fix or drop it in the dataset"
+            )
         return self.tok.document(record[self.column])
+
+    def _bad_file(self) -> DataError | None:
+        """The first problem in the files the stream is reading (from the lowest shard index its
+        state holds to the one after the highest: never the rest of the part); None without local
+        files, or if they read cleanly."""
+        if self.files is None:
+            return None
+        builder, files = self.files
+        shards = _shard_indices(self.stream.state_dict()) or [0]
+        return first_problem(files[min(shards) : max(shards) + 2], builder, self.column)
 
     def _fill(self, start: Position) -> tuple[list[list[int]], Position]:
         """The block that starts at `start`, in stream order, and where the next one starts
@@ -241,6 +290,14 @@ class DocumentWindows:
         self.position.taken, self.position.windows = 0, windows - taken
         if taken:
             self.next_windows(taken)  # skip what was handed out before
+
+
+def _shard_indices(state) -> list[int]:
+    """Every `shard_idx` in an HF stream's (nested) state: the files it is reading or has read ahead."""
+    if isinstance(state, dict):
+        found = [state["shard_idx"]] if isinstance(state.get("shard_idx"), int) else []
+        return found + [i for v in state.values() for i in _shard_indices(v)]
+    return []
 
 
 def windows_to_skip(states: list[dict], new_dp: int) -> int:

@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import CheckpointError, DataError, DataNotFound, Problem, RecipeError
-from meshforge.run.data.corpus import DocumentWindows, corpus_files, open_stream, windows_to_skip
+from meshforge.run.data.corpus import DocumentWindows, corpus_files, open_stream, part_files, windows_to_skip
 from meshforge.run.data.synthetic import Batch, ShardedLoader, build_source
 from meshforge.run.data.tokenizer import build_tokenizer, is_hub_id
+from meshforge.run.data.verify import check_file
 
 log = logging.getLogger(__name__)
 
@@ -153,26 +154,35 @@ def build_loader(
     tok = build_tokenizer(d.tokenizer)
     check_vocab(d.tokenizer, tok.vocab_size, vocab_size)
     stream = open_stream(d, d.split, dp_rank, dp_size)
-    windows = DocumentWindows(stream, tok, d.text_column, t.seq_len, d.shuffle_windows, d.seed, dp_rank)
+    files = part_files(d, dp_rank, dp_size) if d.source == "files" else None
+    windows = DocumentWindows(
+        stream, tok, d.text_column, t.seq_len, d.shuffle_windows, d.seed, dp_rank, files
+    )
     fingerprint = {f"data.{k}": getattr(d, k) for k in FINGERPRINT} | {"train.seq_len": t.seq_len}
     return CorpusLoader(windows, micro, accum, dp_rank, dp_size, dp_group, fingerprint)
 
 
 def check_data(recipe: Recipe, vocab_size: int) -> list[str]:
     """What --dry-run and the launcher can know of the data settings without downloading
-    anything (files exist and are of one kind; a local tokenizer fits the model's vocabulary);
-    lines for the plan. Problems raise a RecipeError naming the field."""
+    anything (files exist, are of one kind, and the head of each is readable documents; a local
+    tokenizer reads and fits the model's vocabulary); lines for the plan. Problems raise a
+    RecipeError naming the field, the file and the line."""
     d = recipe.data
     if d.source == "synthetic":
         return [f"synthetic Markov source (branching {d.markov_branching}, seed {d.seed})"]
     problems, lines = [], []
-    if d.source == "files":
+    corpora = [("data.path", d.path)] if d.source == "files" else []
+    if recipe.eval.path:
+        corpora.append(("eval.path", recipe.eval.path))
+    for field, pattern in corpora:
         try:
-            builder, files = corpus_files(d.path, d.format)
-            lines.append(f"{len(files)} local {builder} files ({d.path}), field {d.text_column!r}")
+            builder, files = corpus_files(pattern, d.format)
+            lines.append(f"{len(files)} local {builder} files ({pattern}), field {d.text_column!r}")
         except (DataError, DataNotFound) as e:
-            problems.append(Problem("data.path", d.path, str(e).removeprefix(f"data.path = {d.path!r} ")))
-    else:
+            problems.append(Problem(field, pattern, str(e).removeprefix(f"data.path = {pattern!r} ")))
+            continue
+        problems += [Problem(field, pattern, m) for m in _file_problems(files, builder, d.text_column)]
+    if d.source != "files":
         where = f"config {d.hf_config!r}, " if d.hf_config else ""
         lines.append(f"HF dataset {d.hf_dataset} ({where}split {d.split!r}), streamed from the first step")
     if not is_hub_id(d.tokenizer):
@@ -193,6 +203,19 @@ def check_data(recipe: Recipe, vocab_size: int) -> list[str]:
     if problems:
         raise RecipeError(problems, "data")
     return lines
+
+
+def _file_problems(files: list[str], builder: str, column: str, most: int = 10) -> list[str]:
+    """The first problem of each bad file in the head of every file (`verify.PEEK_BYTES`), at
+    most `most` of them and a count of the rest."""
+    found = []
+    for path in files:
+        try:
+            check_file(path, builder, column)
+        except DataError as e:
+            found.append(str(e))
+    more = [f"... and {len(found) - most} more file(s) like these"] if len(found) > most else []
+    return found[:most] + more
 
 
 def check_vocab(spec: str, tokenizer_vocab: int, model_vocab: int) -> None:

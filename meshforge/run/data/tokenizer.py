@@ -39,7 +39,17 @@ class HFTokenizer:
 
         folder = _local_folder(spec)
         self.spec = spec
-        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        text = _read_json_text(path, "a tokenizer")
+        try:
+            self._tok = Tokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises a bare Exception for JSON that is not a tokenizer
+            if type(e) is not Exception:
+                raise
+            raise DataError(
+                f"data.tokenizer = {spec!r}: {path} is JSON but not a tokenizer ({str(e)[:160]}); "
+                "save it with tokenizers' Tokenizer.save (or transformers' save_pretrained)"
+            ) from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config = _special_tokens(folder)
         self.bos_id = self._id(config.get("bos_token"))
@@ -53,6 +63,11 @@ class HFTokenizer:
     def _id(self, token: str | None) -> int | None:
         if token is None:
             return None
+        if not isinstance(token, str):
+            raise DataError(
+                f"data.tokenizer = {self.spec!r}: a special token is {token!r}, not a token's text; "
+                "set bos_token/eos_token in tokenizer_config.json to strings"
+            )
         found = self._tok.token_to_id(token)
         if found is None:
             raise DataError(
@@ -112,7 +127,9 @@ def _special_tokens(folder: Path) -> dict:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
         path = folder / name
         if path.is_file():
-            config = json.loads(path.read_text())
+            config = json.loads(_read_json_text(path, "a JSON object"))
+            if not isinstance(config, dict):
+                raise DataError(f"{path}: not a JSON object; save it again (save_pretrained)")
             for key in ("bos_token", "eos_token"):
                 value = config.get(key)
                 if isinstance(value, dict):
@@ -120,6 +137,21 @@ def _special_tokens(folder: Path) -> dict:
                 if value is not None:
                     found[key] = value
     return found
+
+
+def _read_json_text(path: Path, what: str) -> str:
+    """A tokenizer file's text, refused naming the file and the line when it is not JSON."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}), so not {what}; download it again") from e
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}: not JSON ({e.msg}: line {e.lineno}, column {e.colno}), so not {what}; "
+            "a truncated download? fetch it again"
+        ) from e
+    return text
 
 
 def build_tokenizer(spec: str):

@@ -6,6 +6,8 @@ the distributed engine and each of its workers calls `train` directly.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import time
@@ -30,6 +32,34 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _ReportedFailure(logging.Filter):
+    """Drops torch's log of a rank's MeshforgeError (a traceback per failure; the launcher says it in
+    one line and the rank's log file keeps the traceback) and of the other ranks being stopped
+    after it. A rank's other errors (bugs) keep their traceback on the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and "\nmeshforge.core.errors." in str(error):
+            return False
+        return not record.getMessage().startswith("Terminating process")
+
+
+@contextlib.contextmanager
+def _quiet_rank_failures():
+    loggers = [
+        logging.getLogger(n)
+        for n in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    ]
+    quiet = _ReportedFailure()
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 @record
@@ -60,7 +90,11 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     rank_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
     console = RunConsole(enabled=recipe.logging.progress)
     try:
-        with mock.patch.dict(os.environ, rank_env), RunWatcher(log_dir.parent, console, started=time.time()):
+        with (
+            mock.patch.dict(os.environ, rank_env),
+            RunWatcher(log_dir.parent, console, started=time.time()),
+            _quiet_rank_failures(),
+        ):
             elastic_launch(config, _worker)(recipe)
     except ChildFailedError as e:
         first_rank, failure = e.get_first_failure()

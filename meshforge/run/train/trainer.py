@@ -27,7 +27,7 @@ from meshforge.parallelisms import build_meshes, check_parameter_count, material
 from meshforge.parallelisms.fsdp import quiet_embedding_view_warning
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
-from meshforge.run.checkpoint.dcp import Checkpointer
+from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
 from meshforge.run.data.synthetic import loss_floor
 from meshforge.run.launch import distributed as mfdist
@@ -134,7 +134,7 @@ class Trainer:
             self.forward_backward.schedule = self.schedule
         self.run_dir = Path(r.output_dir) / r.run_name
         c = r.checkpoint
-        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
+        folder = checkpoint_folder(c, self.run_dir)
         state = ModelState(self.pmodel.parts), OptimizerState(self.pmodel.parts, self.optimizers)
         self.checkpointer = Checkpointer(c, folder, *state, self.env.is_main, need_bytes=12 * self.n_params)
         self.resumed = self.checkpointer.restore(
