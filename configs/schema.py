@@ -65,7 +65,7 @@ class FSDPConfig:
     param_dtype: str = F(
         "float32",
         "dtype of compute params: float32 | bfloat16 | float16 (with a loss scale, [loss_scale]); "
-        "autocast when FSDP is off",
+        "autocast when FSDP is off; float32 stays true fp32 (TF32 off), its MFU is against the fp32 peak",
     )
     reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16 | float16")
     cpu_offload: bool = F(False, "keep sharded params, grads and optimizer state on the CPU")
