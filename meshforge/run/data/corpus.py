@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from meshforge.configs.inert import FILE_FORMATS
 from meshforge.configs.schema import DataConfig
 from meshforge.core.errors import (
     DataError,
@@ -38,8 +39,6 @@ from meshforge.core.seeding import window_shuffle
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}
-
 
 def corpus_files(cfg_path: str, fmt: str | None) -> tuple[str, list[str]]:
     """(HF builder, files) for a glob of local files; one format per corpus."""
@@ -48,7 +47,7 @@ def corpus_files(cfg_path: str, fmt: str | None) -> tuple[str, list[str]]:
         raise DataNotFound(f"data.path = {cfg_path!r} matches no files; check the glob")
     if fmt:
         return fmt, files
-    found = {FORMATS.get(Path(f).suffix) for f in files}
+    found = {FILE_FORMATS.get(Path(f).suffix) for f in files}
     if None in found or len(found) > 1:
         suffixes = sorted({Path(f).suffix or "(none)" for f in files})
         raise DataError(
