@@ -41,7 +41,7 @@ def test_compare_applies_the_same_rule_to_the_rows_of_a_run_without_summary():
             "step": 4,
             "tokens_per_sec": 25.0,
             "step_time": 4.0,
-            "mem_breakdown/x_max": 1,
+            "mem_breakdown/total_gib": 0.5,
             "tflops_per_device": 2.5,
         },
         {"step": 5, "tokens_per_sec": 50.0, "step_time": 2.0, "tflops_per_device": 5.0},
