@@ -64,13 +64,13 @@ def measured_peaks(world: int, out: Path, overrides: list[str]) -> list[dict]:
             continue
         run = json.loads((record.parent / point["label"] / "run.json").read_text())
         per_rank = run["summary"]["memory_breakdown"]["per_rank"]
-        heaviest = max(range(len(per_rank)), key=lambda r: per_rank[r]["total"])
+        heaviest = max(range(len(per_rank)), key=lambda r: per_rank[r]["total_gib"])
         rows.append(
             {
                 "world": world,
                 "layout": point["label"],
                 "overrides": point["overrides"],
-                "measured_bytes": per_rank[heaviest]["total"],
+                "measured_bytes": per_rank[heaviest]["total_gib"] * 2**30,
                 "measured_rank": heaviest,
             }
         )

@@ -29,7 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 ONE_GPU = ["train.device=cuda", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 QUIET = ["logging.wandb=false", "logging.progress=false"]
 # the GPU machine has no network: llm_1b's FineWeb-Edu stream is swapped for the synthetic source
-SYNTHETIC = ["data.source=synthetic", "data.hf_dataset=null", "data.hf_config=null"]
+SYNTHETIC = [
+    "data.source=synthetic",
+    "data.hf_dataset=null",
+    "data.hf_config=null",
+    "data.tokenizer=byte",  # the synthetic source reads no tokenizer and shuffles no windows
+    "data.shuffle_windows=0",
+]
 LLM_1B_ONE_GPU = [*ONE_GPU, *SYNTHETIC, "activation_checkpoint.mode=none", "logging.log_every=5"]
 
 # name: (recipe, overrides, steps scale): the runs this check makes, in order

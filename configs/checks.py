@@ -1,5 +1,6 @@
 """The rules a recipe obeys on its own, before any model family or parallelism is asked:
-choices, ranges, mesh degrees against the world size, batch arithmetic, data settings.
+choices, ranges, mesh degrees against the world size, batch arithmetic, data settings, and
+(inert.py) settings the recipe's own choices leave unread.
 
 Each Problem names the field, the bad value and a fix (the nearest valid values where there
 are some). `resolve` also fills in the -1 ("derive it") fields.
@@ -12,6 +13,7 @@ import math
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import MESH_DIMS
 
+from .inert import check_inert
 from .schema import Recipe
 
 
@@ -30,8 +32,8 @@ def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
 
 
 def check(recipe: Recipe) -> list[Problem]:
-    """Choices, ranges, data and evaluation settings (after `resolve`)."""
-    checks = (check_enums, check_ranges, check_data, check_eval, check_backend)
+    """Choices, ranges, data and evaluation settings, settings left unread (after `resolve`)."""
+    checks = (check_enums, check_ranges, check_data, check_eval, check_backend, check_inert)
     return [p for check_one in checks for p in check_one(recipe)]
 
 
@@ -298,22 +300,6 @@ def check_data(r: Recipe) -> list[Problem]:
         )
     if d.source == "hf" and not d.hf_dataset:
         problems.append(Problem("data.hf_dataset", d.hf_dataset, "data.source='hf' needs a dataset name"))
-    # a setting the chosen source would ignore is refused, never dropped silently
-    ignored = {
-        "data.path": d.path if d.source != "files" else None,
-        "data.hf_dataset": d.hf_dataset if d.source != "hf" else None,
-        "data.hf_config": d.hf_config if d.source != "hf" else None,
-        "data.format": d.format if d.source != "files" else None,
-    }
-    problems += [
-        Problem(
-            name,
-            value,
-            f"is not read by data.source = {d.source!r}; remove it ({name}=null) or change data.source",
-        )
-        for name, value in ignored.items()
-        if value is not None
-    ]
     if d.shuffle_windows < 0:
         problems.append(Problem("data.shuffle_windows", d.shuffle_windows, "must be >= 0 (0 = stream order)"))
     if c.init_from_hf and c.init_from:

@@ -11,6 +11,20 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
+def unread_with(condition: str, kind: str = "a mesh dimension of degree 1") -> str:
+    """A field doc's note on a setting another choice leaves unread, and why that is harmless
+    (configs/inert.py refuses the ones that are not)."""
+    why = "kept so the one field turns it on" if kind == "a switch" else "kept for the meshes that use it"
+    return f"; unread with {condition} ({kind}: {why}; it changes nothing then)"
+
+
+NO_FSDP = unread_with("one data-parallel rank and no cpu_offload (no FSDP)")
+NO_PP = unread_with("mesh.pp = 1")
+NO_EVAL = unread_with("eval.every = 0", "a switch")
+NO_SAVE = unread_with("checkpoint.enabled = false", "a switch")
+NO_WANDB = unread_with("logging.wandb = false", "a switch")
+
+
 def F(default: Any, doc: str) -> Any:
     """A dataclass field with a default and a one-line doc (read by `meshforge explain`)."""
     if dataclasses.is_dataclass(default):
@@ -60,14 +74,15 @@ class MeshConfig:
 @dataclass
 class FSDPConfig:
     reshard_after_forward: bool = F(
-        True, "free gathered params after forward (saves memory, costs a 2nd all-gather)"
+        True,
+        "free gathered params after forward (saves memory, costs a 2nd all-gather)" + NO_FSDP,
     )
     param_dtype: str = F(
         "float32",
         "dtype of compute params: float32 | bfloat16 | float16 (with a loss scale, [loss_scale]); "
-        "autocast when FSDP is off",
+        "autocast when FSDP is off; float32 stays true fp32 (TF32 off), its MFU is against the fp32 peak",
     )
-    reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16 | float16")
+    reduce_dtype: str = F("float32", "dtype of gradient reductions: float32 | bfloat16 | float16" + NO_FSDP)
     cpu_offload: bool = F(False, "keep sharded params, grads and optimizer state on the CPU")
 
 
@@ -87,23 +102,30 @@ class LossScaleConfig:
 
 @dataclass
 class TPConfig:
-    sequence_parallel: bool = F(True, "shard norms and residuals along the sequence between TP regions")
-    loss_parallel: bool = F(True, "keep logits vocab-sharded and compute cross-entropy in parallel")
+    sequence_parallel: bool = F(
+        True, "shard norms and residuals along the sequence between TP regions" + unread_with("mesh.tp = 1")
+    )
+    loss_parallel: bool = F(
+        True, "keep logits vocab-sharded and compute cross-entropy in parallel" + unread_with("mesh.tp = 1")
+    )
 
 
 @dataclass
 class PPConfig:
     schedule: str = F(
         "1F1B",
-        "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV",
+        "GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV"
+        + NO_PP,
     )
-    microbatches: int = F(-1, "microbatches per step per pipeline; -1 = number of stages")
-    stages_per_rank: int = F(1, "virtual stages per rank (2+ for interleaved/looped/V schedules)")
+    microbatches: int = F(-1, "microbatches per step per pipeline; -1 = number of stages" + NO_PP)
+    stages_per_rank: int = F(1, "virtual stages per rank (2+ for interleaved/looped/V schedules)" + NO_PP)
     layers_per_stage: Optional[List[int]] = F(
-        None, "explicit layer count per stage, e.g. [3, 5]; None = balanced"
+        None, "explicit layer count per stage, e.g. [3, 5]; None = balanced" + NO_PP
     )
-    embedding_weight: float = F(0.0, "tok_embeddings counted as this many layers when balancing stages")
-    output_weight: float = F(0.0, "norm + output counted as this many layers when balancing stages")
+    embedding_weight: float = F(
+        0.0, "tok_embeddings counted as this many layers when balancing stages" + NO_PP
+    )
+    output_weight: float = F(0.0, "norm + output counted as this many layers when balancing stages" + NO_PP)
 
 
 @dataclass
@@ -115,7 +137,7 @@ class ActivationCheckpointConfig:
 @dataclass
 class CompileConfig:
     enabled: bool = F(False, "torch.compile each transformer block")
-    backend: str = F("inductor", "torch.compile backend")
+    backend: str = F("inductor", "torch.compile backend" + unread_with("compile.enabled = false", "a switch"))
 
 
 @dataclass
@@ -134,7 +156,9 @@ class OptimizerConfig:
 class LRSchedulerConfig:
     warmup_steps: int = F(0, "linear warmup steps from 0 to lr")
     decay: str = F("cosine", "decay after warmup: cosine | linear | constant")
-    min_lr_ratio: float = F(0.1, "final lr as a fraction of the peak lr")
+    min_lr_ratio: float = F(
+        0.1, "final lr as a fraction of the peak lr; unread with decay = constant (the lr stays at its peak)"
+    )
 
 
 @dataclass
@@ -148,7 +172,7 @@ class TrainConfig:
     grad_accum_steps: int = F(1, "micro-batches accumulated per step; -1 = derive")
     max_norm: float = F(1.0, "gradient clipping max norm; 0 disables clipping")
     device: str = F("auto", "auto (cuda if available) | cpu | cuda")
-    cpu_threads: int = F(0, "torch threads per process on CPU; 0 = cores / local processes")
+    cpu_threads: int = F(0, "torch threads per process on CPU (unread on CUDA); 0 = cores / local processes")
     deterministic: bool = F(False, "use deterministic algorithms (slower on CUDA)")
     max_bad_steps: int = F(0, "skip up to K steps with a non-finite loss or grad norm before stopping")
 
@@ -178,15 +202,21 @@ class DataConfig:
         0, "files/hf: shuffle windows within blocks of this many (seeded by data.seed); 0 = off"
     )
     markov_branching: int = F(4, "synthetic: successors per token (lower = easier, lower floor)")
-    seed: int = F(1234, "seed of the data stream (independent of the model seed)")
+    seed: int = F(
+        1234,
+        "seed of the data stream (independent of the model seed): the synthetic source, or the "
+        "files/hf window shuffle (unread with shuffle_windows = 0: the stream's own order)",
+    )
 
 
 @dataclass
 class EvalConfig:
     every: int = F(0, "evaluate every N steps and after the last one; 0 = no evaluation")
-    batches: int = F(4, "global batches per evaluation (the same held-out ones every time)")
-    path: Optional[str] = F(None, "data.source=files: held-out files (a glob), never the training files")
-    split: Optional[str] = F(None, "data.source=hf: the held-out split, e.g. 'validation'")
+    batches: int = F(4, "global batches per evaluation (the same held-out ones every time)" + NO_EVAL)
+    path: Optional[str] = F(
+        None, "data.source=files: held-out files (a glob), never the training files" + NO_EVAL
+    )
+    split: Optional[str] = F(None, "data.source=hf: the held-out split, e.g. 'validation'" + NO_EVAL)
 
 
 @dataclass
@@ -194,20 +224,20 @@ class LoggingConfig:
     log_every: int = F(1, "log metrics every N steps")
     tensorboard: bool = F(True, "write TensorBoard events next to metrics.jsonl")
     wandb: bool = F(True, "mirror metrics to Weights & Biases")
-    wandb_project: Optional[str] = F(None, "W&B project; None = WANDB_PROJECT, else 'meshforge'")
-    wandb_entity: Optional[str] = F(None, "W&B entity (team or user); None = WANDB_ENTITY")
-    wandb_group: Optional[str] = F(None, "W&B group (sweeps set it); None = WANDB_RUN_GROUP")
-    wandb_tags: Optional[List[str]] = F(None, "W&B tags; None = WANDB_TAGS (comma-separated)")
+    wandb_project: Optional[str] = F(None, "W&B project; None = WANDB_PROJECT, else 'meshforge'" + NO_WANDB)
+    wandb_entity: Optional[str] = F(None, "W&B entity (team or user); None = WANDB_ENTITY" + NO_WANDB)
+    wandb_group: Optional[str] = F(None, "W&B group (sweeps set it); None = WANDB_RUN_GROUP" + NO_WANDB)
+    wandb_tags: Optional[List[str]] = F(None, "W&B tags; None = WANDB_TAGS (comma-separated)" + NO_WANDB)
     wandb_job_type: Optional[str] = F(
-        None, "W&B job_type; None = WANDB_JOB_TYPE, else 'train' (sweeps: sweep-point)"
+        None, "W&B job_type; None = WANDB_JOB_TYPE, else 'train' (sweeps: sweep-point)" + NO_WANDB
     )
     wandb_mode: Optional[str] = F(
         None,
         "online | offline | disabled; None = WANDB_MODE (dryrun = offline), else online with a key, "
-        "offline without",
+        "offline without" + NO_WANDB,
     )
     wandb_log_checkpoint: bool = F(
-        False, "log the final checkpoint's location as a W&B artifact (a reference)"
+        False, "log the final checkpoint's location as a W&B artifact (a reference)" + NO_WANDB
     )
     progress: bool = F(True, "show a rich progress bar and summary in the terminal")
     memory_history: bool = F(
@@ -219,17 +249,21 @@ class LoggingConfig:
     warmup_steps: int = F(
         2, "steps left out of the throughput summary at the start of a process (compile, allocator)"
     )
-    flush_every: int = F(10, "flush TensorBoard events every N logged steps (and at the end)")
+    flush_every: int = F(
+        10,
+        "flush TensorBoard events every N logged steps (and at the end)"
+        + unread_with("logging.tensorboard = false", "a switch"),
+    )
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = F(False, "save distributed checkpoints (DCP) during training")
     folder: str = F("checkpoints", "checkpoint folder, relative to the run folder (or absolute)")
-    interval: int = F(500, "save every N steps")
-    keep_latest: int = F(2, "keep only the newest K checkpoints; 0 keeps all")
-    async_save: bool = F(False, "write checkpoints in the background (dcp.async_save)")
-    save_at_end: bool = F(True, "save after the last step (when enabled)")
+    interval: int = F(500, "save every N steps" + NO_SAVE)
+    keep_latest: int = F(2, "keep only the newest K checkpoints; 0 keeps all" + NO_SAVE)
+    async_save: bool = F(False, "write checkpoints in the background (dcp.async_save)" + NO_SAVE)
+    save_at_end: bool = F(True, "save after the last step" + NO_SAVE)
     load: Optional[str] = F(None, "resume from 'latest' (this run's newest, if any) or a checkpoint path")
     init_from: Optional[str] = F(None, "initial weights from a seed checkpoint (`meshforge init`), any mesh")
     init_from_hf: Optional[str] = F(

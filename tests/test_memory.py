@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import QUICK, RECIPES, read_metrics, run_cli
 
+from meshforge.core.units import GiB
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 THREE_D = ["mesh.dp_shard=2", "mesh.tp=2", "mesh.pp=2", "train.steps=3", "logging.tensorboard=true"]
 
@@ -38,16 +40,17 @@ def test_breakdown_per_rank_is_logged_tabled_and_drawn(three_d):
     run_dir, proc = three_d
     summary = json.loads((run_dir / "run.json").read_text())["summary"]["memory_breakdown"]
     assert summary["step"] == 2 and len(summary["per_rank"]) == 8
-    for row in summary["per_rank"]:
-        assert row["total"] == sum(row[c] for c in CATEGORIES)
-        assert row["parameters"] > 0 and row["optimizer"] > 0 and row["activations"] > 0
+    for row in summary["per_rank"]:  # GiB, as memory/*, and named so
+        assert row["total_gib"] == pytest.approx(sum(row[f"{c}_gib"] for c in CATEGORIES), rel=1e-12)
+        assert row["parameters_gib"] > 0 and row["optimizer_gib"] > 0 and row["activations_gib"] > 0
+        assert row["total_gib"] < 1  # a debug model: megabytes, not bytes read as GiB
     # pipeline stage 0 (ranks 0-3) holds the embedding, stage 1 (ranks 4-7) the output head: they differ
-    assert summary["per_rank"][0]["parameters"] != summary["per_rank"][4]["parameters"]
+    assert summary["per_rank"][0]["parameters_gib"] != summary["per_rank"][4]["parameters_gib"]
     step2 = read_metrics(run_dir)[1]
     assert step2["step"] == 2
-    assert step2["mem_breakdown/total_max"] == max(r["total"] for r in summary["per_rank"])
-    assert step2["mem_breakdown/total_min"] == min(r["total"] for r in summary["per_rank"])
-    assert "mem_breakdown/total_max" not in read_metrics(run_dir)[0]  # only the tracked step
+    assert step2["mem_breakdown/total_gib"] == max(r["total_gib"] for r in summary["per_rank"])
+    assert step2["mem_breakdown_min/total_gib"] == min(r["total_gib"] for r in summary["per_rank"])
+    assert "mem_breakdown/total_gib" not in read_metrics(run_dir)[0]  # only the tracked step
     assert (run_dir / "memory_breakdown.png").stat().st_size > 5000
     assert "memory by category at the peak of step 2" in proc.stdout
 
@@ -55,7 +58,7 @@ def test_breakdown_per_rank_is_logged_tabled_and_drawn(three_d):
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
     acc.Reload()
-    assert "memory_breakdown" in acc.Tags()["images"] and "mem_breakdown/total_max" in acc.Tags()["scalars"]
+    assert "memory_breakdown" in acc.Tags()["images"] and "mem_breakdown/total_gib" in acc.Tags()["scalars"]
 
 
 @pytest.mark.slow
@@ -69,11 +72,11 @@ def test_traced_estimate_is_within_5_percent_of_the_measured_peak(three_d):
     recipe = load_recipe(RECIPES / "debug_cpu.toml", [*QUICK, *THREE_D])
     with trace_pool() as pool:
         est = traced_estimate(recipe, pool)
-    measured = max(r["total"] for r in per_rank)
+    measured = max(r["total_gib"] for r in per_rank) * GiB
     assert abs(est["total"] / measured - 1) <= 0.05, (est, measured)
-    heaviest = max(range(8), key=lambda r: per_rank[r]["total"])
+    heaviest = max(range(8), key=lambda r: per_rank[r]["total_gib"])
     assert est["rank"] // 4 == heaviest // 4  # the same pipeline stage is the heaviest
-    assert est["optimizer"] == per_rank[est["rank"]]["optimizer"]  # AdamW moments: exact
+    assert est["optimizer"] / GiB == per_rank[est["rank"]]["optimizer_gib"]  # AdamW moments: exact
 
 
 @pytest.mark.slow
@@ -158,3 +161,86 @@ def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
     report = json.loads((run_dir / "oom-rank0.json").read_text())
     assert report["phase"] == "backward" and report["step"] == 3 and report["estimate_bytes_per_rank"] > 0
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_state_gib_counts_parameters_gradients_and_adamw_moments():
+    """16 bytes a fp32 parameter with AdamW (4 + a gradient of 4 + two moments of 8), measured
+    where the trainer measures it: after the update, when zero_grad has freed the gradients."""
+    from meshforge.run.observe.memory import model_state_bytes, rank_memory
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 7), torch.nn.Linear(7, 3, bias=False))  # 77 + 21
+    frozen = torch.nn.Linear(4, 4)  # 20 parameters without gradients or moments: 4 bytes each
+    frozen.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert model_state_bytes([model, frozen], [opt]) == 16 * 98 + 4 * 20
+    assert rank_memory(torch.device("cpu"), 16 * 98)["state_gib"] == 16 * 98 / 2**30
+
+
+def test_breakdown_is_recorded_in_gib_under_names_that_say_so():
+    """Memory by category in the records: GiB like memory/*, the unit in every key."""
+    from meshforge.run.observe.memory import memory_metrics
+    from meshforge.run.observe.memtrace import in_gib
+
+    categories = {"parameters": 3 * 2**29, "optimizer": 2**30, "total": 5 * 2**29}  # bytes, as traced
+    metrics, per_rank = memory_metrics(in_gib(categories), torch.device("cpu"), prefix="mem_breakdown")
+    assert per_rank == [{"parameters_gib": 1.5, "optimizer_gib": 1.0, "total_gib": 2.5}]
+    assert metrics["mem_breakdown/total_gib"] == 2.5 and metrics["mem_breakdown_min/parameters_gib"] == 1.5
+    assert metrics["mem_breakdown_rank/optimizer_gib"] == 0
+    assert not [k for k in metrics if not k.endswith("_gib")]
+
+
+OFFLOAD_MESH = ["mesh.dp_shard=2", "mesh.tp=1", "mesh.pp=1"]
+DEBUG_PARAMS = 229_952  # debug_cpu's llama3 debug flavor
+
+
+def test_analytic_estimate_leaves_offloaded_states_off_the_device_and_checks_the_host(monkeypatch):
+    """fsdp.cpu_offload: the device holds none of the 16 bytes a parameter (sharded 2 ways);
+    the host holds all of them; the CUDA check then passes a device the states would not fit."""
+    from types import SimpleNamespace
+
+    from meshforge.recipe import load_recipe
+    from meshforge.run.launch import plan as plan_module
+
+    plain = plan_module.make_plan(load_recipe(RECIPES / "debug_cpu.toml", OFFLOAD_MESH, world_size=2))
+    off = plan_module.make_plan(
+        load_recipe(RECIPES / "debug_cpu.toml", [*OFFLOAD_MESH, "fsdp.cpu_offload=true"], world_size=2)
+    )
+    states = 16 * DEBUG_PARAMS / 2
+    assert plain.state_bytes_per_rank == states and plain.host_state_bytes_per_rank == 0
+    assert off.state_bytes_per_rank == 0 and off.host_state_bytes_per_rank == states
+    assert plain.bytes_per_rank - off.bytes_per_rank == states
+    # a GPU between the two needs: refused without offload, accepted with it
+    gpu = SimpleNamespace(total_memory=int(off.bytes_per_rank + states / 2))
+    monkeypatch.setattr(plan_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan_module.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(plan_module.torch.cuda, "get_device_properties", lambda i: gpu)
+    assert "per GPU" in plan_module.check_machine(plain, "cuda", True)[0]
+    assert plan_module.check_machine(off, "cuda", True) == []
+    # ... and the host must hold what is offloaded
+    monkeypatch.setattr(plan_module, "host_memory_bytes", lambda: int(states))
+    assert "on the host (fsdp.cpu_offload)" in plan_module.check_machine(off, "cuda", True)[0]
+
+
+@pytest.mark.slow
+def test_traced_estimate_leaves_offloaded_states_off_the_device():
+    """The traced peak under fsdp.cpu_offload: the sharded fp32 parameters (4 bytes each, 2
+    ways) and AdamW's moments (8) are off the device, all 16 bytes on the host."""
+    from meshforge.recipe import load_recipe
+    from meshforge.simulate.estimate import trace_pool, traced_estimate
+
+    recipes = [
+        load_recipe(RECIPES / "debug_cpu.toml", [*OFFLOAD_MESH, *extra], world_size=2)
+        for extra in ([], ["fsdp.cpu_offload=true"])
+    ]
+    with trace_pool() as pool:
+        plain, off = (traced_estimate(r, pool) for r in recipes)
+    assert plain["parameters"] - off["parameters"] == 4 * DEBUG_PARAMS / 2
+    counters = plain["optimizer"] - 8 * DEBUG_PARAMS / 2  # AdamW's scalar step, one per tensor
+    assert off["optimizer"] == 0 and 0 < counters < 1000
+    assert off["host"] == 16 * DEBUG_PARAMS / 2 + counters
+    assert off["activations"] == plain["activations"]  # compute is where it was
+    assert plain["total"] - off["total"] == plain["total"] - sum(off[c] for c in CATEGORIES) > 0
+    assert plain["total"] - off["total"] == (plain["parameters"] - off["parameters"]) + plain["optimizer"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,114 @@ def test_every_violation_is_reported_at_once(tmp_path):
         tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n[optimizer]\nlr = 0.0\n"
     )
     assert {"mesh.tp", "train.steps", "train.seq_len", "optimizer.lr"} <= set(p)
+
+
+def test_settings_the_chosen_source_does_not_read_are_refused(tmp_path):
+    """Each names the field, the value, why it is unread and the override that fixes it."""
+    p = problems(
+        tmp_path,
+        SINGLE
+        + '[data]\ntokenizer = "meta-llama/Llama-3.2-1B"\nshuffle_windows = 256\ntext_column = "body"\n'
+        'split = "validation"\ntext_sample_by = "line"\n',
+    )
+    assert set(p) == {
+        f"data.{k}" for k in ("tokenizer", "shuffle_windows", "text_column", "split", "text_sample_by")
+    }
+    assert "the synthetic source draws token ids itself" in p["data.tokenizer"]
+    assert (
+        "set data.tokenizer=byte (its default) or change data.source (now 'synthetic')" in p["data.tokenizer"]
+    )
+    assert "set data.shuffle_windows=0" in p["data.shuffle_windows"]
+    byte_vocab = SINGLE + "[model]\nvocab_size = 512\n"  # the byte tokenizer's 258 tokens fit
+    files = byte_vocab + '[data]\nsource = "files"\npath = "c/*.jsonl"\n'
+    p = problems(tmp_path, files + 'split = "test"\nmarkov_branching = 8\ntext_sample_by = "paragraph"\n')
+    assert set(p) == {"data.split", "data.markov_branching", "data.text_sample_by"}
+    assert "json and parquet records are documents already" in p["data.text_sample_by"]
+    text_files = byte_vocab + '[data]\nsource = "files"\npath = "c/*.txt"\ntext_sample_by = "paragraph"\n'
+    assert load_recipe(write(tmp_path, text_files)).data.text_sample_by == "paragraph"
+    hf = byte_vocab + '[data]\nsource = "hf"\nhf_dataset = "org/name"\n'
+    p = problems(tmp_path, hf + 'text_sample_by = "line"\nmarkov_branching = 2\n')
+    assert set(p) == {"data.text_sample_by", "data.markov_branching"}
+    assert load_recipe(write(tmp_path, hf + 'split = "train[:1%]"\ntext_column = "content"\n'))
+
+
+def test_loss_scale_without_fp16_and_selective_every_without_selective_are_refused(tmp_path):
+    p = problems(tmp_path, SINGLE + "[loss_scale]\ninitial = 1024.0\ngrowth_interval = 100\n")
+    assert set(p) == {"loss_scale.initial", "loss_scale.growth_interval"}
+    assert "only float16 compute runs a loss scale (fsdp.param_dtype = 'float32')" in p["loss_scale.initial"]
+    assert (
+        "set loss_scale.initial=65536.0 (its default) or set fsdp.param_dtype=float16"
+        in p["loss_scale.initial"]
+    )
+    fp16 = load_recipe(
+        write(tmp_path, SINGLE + '[fsdp]\nparam_dtype = "float16"\n[loss_scale]\ninitial = 1024.0\n')
+    )
+    assert fp16.loss_scale.initial == 1024.0
+    p = problems(tmp_path, SINGLE + '[activation_checkpoint]\nmode = "full"\nselective_every = 3\n')
+    assert "mode = 'full' checkpoints no Nth block" in p["activation_checkpoint.selective_every"]
+    assert load_recipe(
+        write(tmp_path, SINGLE + '[activation_checkpoint]\nmode = "selective"\nselective_every = 3\n')
+    )
+
+
+def test_settings_left_unread_by_a_switch_or_a_degree_of_1_say_so_in_explain():
+    """Harmless, so accepted: the field's doc (meshforge explain) says when it is unread and why."""
+    for section, name, condition in (
+        ("pp", "schedule", "mesh.pp = 1"),
+        ("pp", "microbatches", "mesh.pp = 1"),
+        ("tp", "sequence_parallel", "mesh.tp = 1"),
+        ("fsdp", "reduce_dtype", "no FSDP"),
+        ("eval", "path", "eval.every = 0"),
+        ("checkpoint", "interval", "checkpoint.enabled = false"),
+        ("logging", "wandb_project", "logging.wandb = false"),
+        ("compile", "backend", "compile.enabled = false"),
+        ("lr_scheduler", "min_lr_ratio", "decay = constant"),
+        ("data", "seed", "shuffle_windows = 0"),
+    ):
+        assert "unread with" in field_doc(section, name) and condition in field_doc(section, name)
+
+
+COMMAND = re.compile(r"(?:run_recipe|meshforge (?:sweep|estimate)|-m meshforge\.cli)((?:\s+[^\s#`|&]+)*)")
+VALUED_FLAGS = {"--world", "--nproc", "--axis", "--device-memory", "--out", "--baseline"}
+
+
+def shipped_commands() -> list[tuple[str, list[str]]]:
+    """Every command line a recipe's header or the README gives, continuation lines joined."""
+    from conftest import REPO
+
+    texts = [p.read_text() for p in sorted(RECIPES.rglob("*.toml"))] + [(REPO / "README.md").read_text()]
+    lines = []
+    for text in texts:
+        joined = ""
+        for line in text.splitlines():
+            joined += " " + line.lstrip("# ").rstrip()
+            if joined.endswith("\\"):
+                joined = joined[:-1]
+                continue
+            lines.append(joined)
+            joined = ""
+    return [(line, m.group(1).split()) for line in lines for m in COMMAND.finditer(line)]
+
+
+def test_every_command_in_the_recipe_headers_and_the_readme_validates():
+    """What a user copies must load: the CPU-shrink lines, the sweeps, the dry runs."""
+    from conftest import REPO
+
+    checked = 0
+    for line, words in shipped_commands():
+        placeholder = ("path/to", "$", "<", "outputs/")
+        if any(p in w for w in words for p in placeholder) or any(w.isupper() for w in words):
+            continue  # a placeholder the user fills in
+        recipe, overrides, world, skip = None, [], None, False
+        for i, w in enumerate(words):
+            if skip:
+                skip = False
+            elif w in VALUED_FLAGS:
+                skip, world = True, int(words[i + 1]) if w in ("--world", "--nproc") else world
+            elif "=" in w:
+                overrides.append(w)
+            elif not w.startswith("-") and recipe is None:
+                recipe = REPO / w if (REPO / w).exists() else w
+        load_recipe(recipe, overrides, world_size=world)  # raises, naming the field, if refused
+        checked += 1
+    assert checked >= 12  # the headers' and the README's commands were found

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshforge.experiments.compare import Run
 from meshforge.run.observe.record import StepTime, exclusion, steady_throughput, step_times_of_rows
@@ -40,7 +41,7 @@ def test_compare_applies_the_same_rule_to_the_rows_of_a_run_without_summary():
             "step": 4,
             "tokens_per_sec": 25.0,
             "step_time": 4.0,
-            "mem_breakdown/x_max": 1,
+            "mem_breakdown/total_gib": 0.5,
             "tflops_per_device": 2.5,
         },
         {"step": 5, "tokens_per_sec": 50.0, "step_time": 2.0, "tflops_per_device": 5.0},
@@ -55,3 +56,34 @@ def test_compare_applies_the_same_rule_to_the_rows_of_a_run_without_summary():
     assert tp["tflops_per_device"] == pytest.approx(0.1 * 200 / 3)  # FLOPs per token from the rows
     with_summary = Run("r", None, {**info, "summary": {"tokens_per_sec": 7.0}}, rows).throughput()
     assert with_summary["tokens_per_sec"] == 7.0  # a finished run's summary covers every step
+
+
+def test_fp32_mfu_is_against_the_plain_fp32_peak_tf32_being_off(monkeypatch):
+    """torch keeps fp32 matmuls fp32 (TF32 off) and meshforge never turns TF32 on, so a fp32
+    run is held to the GPU's CUDA-core fp32 peak: 67 TFLOP/s on an H100 SXM, not TF32's 494.5."""
+    from meshforge.run.observe import flops
+
+    monkeypatch.setattr(flops.torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert flops.gpu_peak_flops(torch.device("cuda", 0), "float32") == 67e12
+    assert flops.gpu_peak_flops(torch.device("cuda", 0), "bfloat16") == 989e12
+    monkeypatch.setattr(flops.torch.cuda, "get_device_name", lambda d: "NVIDIA A100-SXM4-80GB")
+    assert flops.gpu_peak_flops(torch.device("cuda", 0), "float32") == 19.5e12
+
+
+def test_cpu_peak_is_one_ranks_share_of_the_cores(monkeypatch):
+    """Rank 0 measures the matmul rate alone with its threads; 8 one-thread ranks on 2 cores
+    each get a quarter of that, one process with both cores all of it."""
+    from meshforge.run.launch.distributed import DistEnv
+    from meshforge.run.observe import flops
+
+    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda dtype: 40e9)
+    monkeypatch.setattr(flops.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(flops.torch, "get_num_threads", lambda: 1)
+    eight = DistEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, device=torch.device("cpu"))
+    assert flops.device_peak_flops(eight, "float32") == 40e9 * 2 / 8
+    monkeypatch.setattr(flops.torch, "get_num_threads", lambda: 2)
+    one = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    assert flops.device_peak_flops(one, "float32") == 40e9
+    assert flops.cpu_share(ranks_on_host=4, threads=4, cores=16) == 1.0  # enough cores: nothing shared
+    assert flops.cpu_share(ranks_on_host=2, threads=8, cores=4) == 0.5  # 16 threads asked of 4 cores

@@ -61,6 +61,8 @@ def test_metrics_jsonl_has_every_step_and_key(trained):
         rows[0]["tokens_per_sec"] > 0 and rows[0]["memory/rss_gib"] > 0.05
     )  # GiB: a real process measurement
     assert rows[0]["tokens_per_sec_per_device"] == rows[0]["tokens_per_sec"]  # one process
+    # fp32 parameters, gradients and AdamW's two moments: 16 bytes each of the 229,952
+    assert rows[-1]["memory/state_gib"] * 2**30 == 16 * 229_952
     assert (
         rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1
     )  # against this CPU's measured matmul rate

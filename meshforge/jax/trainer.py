@@ -168,9 +168,11 @@ class JaxTrainer:
         return st
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
-        state_bytes = sum(
-            x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)) if hasattr(x, "nbytes")
+        params, moments = (
+            sum(x.nbytes for x in jax.tree.leaves(t) if hasattr(x, "nbytes"))
+            for t in (self.params, self.opt_state)
         )
+        state_bytes = 2 * params + moments  # a gradient per parameter, of its size: freed after the update
         mem, per_rank = memory_metrics(rank_memory(self.env.device, state_bytes), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, []
         return {

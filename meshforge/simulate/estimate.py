@@ -13,6 +13,10 @@ Measured against real runs by benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
 moments) over the sharding, plus Korthikanti et al. 2022 activations (run/launch/analytic.py).
+
+With `fsdp.cpu_offload` both count the device only: the sharded parameters, their gradients
+and the optimizer state live on the host (`host`, for the machine check), so the traced peak
+loses them (`off_the_device`) and the analytic states are 0 on the device.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from meshforge.configs import Recipe, RecipeError
 from meshforge.core.topology import ParallelDims
@@ -55,6 +60,7 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         ]
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
+        offloaded = _sharded_states(pmodel.parts, optimizers)  # before a step leaves params unsharded
         tracker = make_tracker(pmodel.parts, optimizers)
         with (
             tracker,
@@ -67,7 +73,36 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        return peak_categories(tracker)
+        peak = peak_categories(tracker)
+        return off_the_device(peak, offloaded) if recipe.fsdp.cpu_offload else peak
+
+
+def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
+    """This rank's sharded parameters, their gradients (each its parameter's size) and optimizer
+    state, in bytes: what FSDP's CPU offload keeps on the host."""
+
+    def local_bytes(tensors) -> int:
+        return sum(
+            (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
+        )
+
+    params = local_bytes(p for part in parts for p in part.parameters())
+    moments = local_bytes(
+        v
+        for opt in optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)  # the moments and AdamW's step counters
+    )
+    return {"parameters": params, "gradients": params, "optimizer": moments}
+
+
+def off_the_device(peak: dict[str, int], offloaded: dict[str, int]) -> dict:
+    """The traced peak with the offloaded states moved off the device: each category loses
+    what is on the host (at most what it held at the peak), `host` says how much that is, and
+    `total` is the device's."""
+    out = {c: max(0, peak[c] - offloaded.get(c, 0)) for c in CATEGORIES}
+    return {**out, "total": sum(out.values()), "host": sum(offloaded.values())}
 
 
 def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list[tuple[int, str, int]], list]:
@@ -168,6 +203,7 @@ def estimate_rows(
                     "states": plan.state_bytes_per_rank,
                     "activations": plan.activation_bytes_per_rank,
                     "total": plan.bytes_per_rank,
+                    "host": plan.host_state_bytes_per_rank,
                 },
             }
             rows.append(row)
@@ -203,7 +239,9 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
     columns = ["layout"]
     if traced:
         columns += ["peak", "rank", *SHORT.values()]
-    columns += ["analytic states", "analytic activations", "analytic total", "fits"]
+    offload = any(r.get("analytic", {}).get("host") for r in rows)
+    columns += ["analytic states", "analytic activations", "analytic total"]
+    columns += ["host (offloaded states)"] * offload + ["fits"]
     for c in columns:
         table.add_column(c, justify="left" if c == "layout" else "right")
     for r in rows:
@@ -219,6 +257,7 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
             f"{a['states'] / GiB:.2f}",
             f"{a['activations'] / GiB:.2f}",
             f"{a['total'] / GiB:.2f}",
+            *[f"{a['host'] / GiB:.2f}"] * offload,
             fits,
         ]
         table.add_row(*cells)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from meshforge.configs.inert import FILE_FORMATS
 from meshforge.configs.schema import DataConfig
 from meshforge.core.errors import (
     DataError,
@@ -39,7 +40,6 @@ from meshforge.run.data.verify import first_problem
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}
 # what HF's json/parquet/text readers raise on a malformed file (ArrowInvalid is a ValueError, so is
 # UnicodeDecodeError; StopIteration from an empty file, TypeError from a line that is not an object):
 # caught only around the reader, and turned into the file and line `verify` finds, else re-raised
@@ -53,7 +53,7 @@ def corpus_files(cfg_path: str, fmt: str | None) -> tuple[str, list[str]]:
         raise DataNotFound(f"data.path = {cfg_path!r} matches no files; check the glob")
     if fmt:
         return fmt, files
-    found = {FORMATS.get(Path(f).suffix) for f in files}
+    found = {FILE_FORMATS.get(Path(f).suffix) for f in files}
     if None in found or len(found) > 1:
         suffixes = sorted({Path(f).suffix or "(none)" for f in files})
         raise DataError(

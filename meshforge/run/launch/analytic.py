@@ -17,6 +17,14 @@ def state_bytes(n_params: int, dims: ParallelDims) -> float:
     return 16 * n_params / (dims.dp_shard * dims.tp * dims.pp)
 
 
+def placed_state_bytes(n_params: int, dims: ParallelDims, cpu_offload: bool) -> tuple[float, float]:
+    """(on the device, on the host) of `state_bytes`: FSDP's CPU offload keeps the sharded
+    parameters, gradients and optimizer state on the host, so the device holds none of them
+    (only the gathered compute copies, counted with activations as without offload)."""
+    states = state_bytes(n_params, dims)
+    return (0.0, states) if cpu_offload else (states, 0.0)
+
+
 def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
     """A rough per-rank activation peak for one micro-batch (Korthikanti et al. 2022:
     ~34 bytes x tokens x dim per layer in 16-bit, /tp), plus the fp32 logits, their

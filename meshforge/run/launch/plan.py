@@ -13,7 +13,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms.pp import stage_layout
-from meshforge.run.launch.analytic import activation_bytes, state_bytes
+from meshforge.run.launch.analytic import activation_bytes, placed_state_bytes
 from meshforge.run.observe.memory import host_memory_bytes
 
 
@@ -27,11 +27,13 @@ class Plan:
     grad_accum: int
     tokens_per_step: int
     layout: list[list[int]] | None
-    state_bytes_per_rank: float  # analytic: fp32 params + grads + AdamW moments, sharded
+    state_bytes_per_rank: float  # analytic, on the device: fp32 params + grads + AdamW moments, sharded
     activation_bytes_per_rank: float  # rough: see activation_bytes()
+    host_state_bytes_per_rank: float = 0.0  # the model states fsdp.cpu_offload keeps on the host
 
     @property
     def bytes_per_rank(self) -> float:
+        """Device memory per rank: model states not offloaded, and activations."""
         return self.state_bytes_per_rank + self.activation_bytes_per_rank
 
     def rows(self, r: Recipe) -> list[tuple[str, str]]:
@@ -49,8 +51,10 @@ class Plan:
             ("steps", str(r.train.steps)),
             (
                 "model states/rank",
-                f"{self.state_bytes_per_rank / GiB:.2f} GiB (fp32 params+grads+AdamW, "
-                f"sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp})",
+                f"{(self.state_bytes_per_rank + self.host_state_bytes_per_rank) / GiB:.2f} GiB (fp32 "
+                f"params+grads+AdamW, sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp})"
+                + ", on the host (fsdp.cpu_offload)"
+                * bool(self.host_state_bytes_per_rank),
             ),
             (
                 "activations/rank",
@@ -93,6 +97,7 @@ def make_plan(r: Recipe) -> Plan:
         n_params = count_params(get_model_spec(r.model.name).build(args))
     dims = ParallelDims.from_config(r.mesh)
     layout = stage_layout(args.n_layers, dims.pp * r.pp.stages_per_rank, r.pp) if dims.pp_enabled else None
+    device_states, host_states = placed_state_bytes(n_params, dims, r.fsdp.cpu_offload)
     return Plan(
         n_params=n_params,
         args=args,
@@ -102,8 +107,9 @@ def make_plan(r: Recipe) -> Plan:
         grad_accum=r.train.grad_accum_steps,
         tokens_per_step=r.train.global_batch_size * r.train.seq_len,
         layout=layout,
-        state_bytes_per_rank=state_bytes(n_params, dims),
+        state_bytes_per_rank=device_states,
         activation_bytes_per_rank=activation_bytes(r, args, dims),
+        host_state_bytes_per_rank=host_states,
     )
 
 
@@ -137,8 +143,16 @@ def check_machine(plan: Plan, device_type: str, launching_locally: bool) -> list
                 f"{have / GiB:.1f} GiB; shard more (mesh.dp_shard, mesh.tp, mesh.pp), lower "
                 "train.micro_batch_size or train.seq_len, or use activation_checkpoint.mode=full"
             )
-    elif device_type == "cpu":
-        need, have = plan.bytes_per_rank * local, host_memory_bytes()
+        offloaded, host = plan.host_state_bytes_per_rank * local, host_memory_bytes()
+        if offloaded > 0.7 * host:
+            problems.append(
+                f"{local} process(es) keep about {offloaded / GiB:.1f} GiB of model states on the host "
+                f"(fsdp.cpu_offload) but this machine has {host / GiB:.1f} GiB; shard over more nodes "
+                "(mesh.dp_shard) or turn fsdp.cpu_offload off"
+            )
+    elif device_type == "cpu":  # the device is the host: offloaded states count as well
+        need = (plan.bytes_per_rank + plan.host_state_bytes_per_rank) * local
+        have = host_memory_bytes()
         if need > 0.7 * have:
             problems.append(
                 f"{local} process(es) need about {need / GiB:.1f} GiB (model states + activations) but "

@@ -21,7 +21,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from meshforge.core.units import MiB
 from meshforge.run.observe.memory import PEAK_MEANING
 from meshforge.run.observe.memtrace import CATEGORIES
 
@@ -172,7 +171,11 @@ class RunConsole:
                 )
             peak = ""
             if "mfu" in s:
-                where = "(measured CPU matmul)" if device_type == "cpu" else "(datasheet)"
+                where = (
+                    "(measured CPU matmul, one rank's share of the cores)"
+                    if device_type == "cpu"
+                    else "(datasheet)"
+                )
                 peak = f"MFU {s['mfu']:.1%} of {s['peak_tflops_per_device']:.3g} TFLOP/s {where}"
             rows.append(("TFLOP/s per device", f"{s['tflops_per_device']:.4g} {peak}"))
         if "peak_memory_gib" in s:
@@ -212,13 +215,14 @@ def memory_table(per_rank: list[dict]) -> Table:
 
 
 def breakdown_table(per_rank: list[dict], step: int, picture: Path) -> Table:
-    """Per-rank memory by category at the tracked step's peak (MiB)."""
+    """Per-rank memory by category at the tracked step's peak, in GiB as recorded."""
     table = Table(
-        title=f"memory by category at the peak of step {step} (MiB, tracked tensors); {picture.name}"
+        title=f"memory by category at the peak of step {step} (GiB, tracked tensors); {picture.name}"
     )
     table.add_column("rank")
-    for k in (*CATEGORIES, "total"):
+    keys = [f"{k}_gib" for k in (*CATEGORIES, "total")]
+    for k in keys:
         table.add_column(k, justify="right")
     for rank, row in enumerate(per_rank):
-        table.add_row(str(rank), *(f"{row[k] / MiB:,.2f}" for k in (*CATEGORIES, "total")))
+        table.add_row(str(rank), *(f"{row[k]:,.4f}" for k in keys))
     return table

@@ -52,12 +52,12 @@ def save_pipeline(schedule, title: str, path: Path) -> tuple:
 
 
 def breakdown_figure(per_rank: list[dict[str, float]], title: str):
-    """A stacked bar per rank: the categories at that rank's peak, in MiB."""
+    """A stacked bar per rank: the categories at that rank's peak (recorded in GiB), drawn in MiB."""
     fig = Figure(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
     ax = fig.subplots()
     bottom = [0.0] * len(per_rank)
     for cat in CATEGORIES:
-        values = [r.get(cat, 0) / 2**20 for r in per_rank]
+        values = [r.get(f"{cat}_gib", 0) * 1024 for r in per_rank]
         ax.bar(range(len(per_rank)), values, bottom=bottom, label=cat)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(

@@ -9,6 +9,7 @@ not counted: MFU measures useful work.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -18,14 +19,15 @@ from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.distributed import DistEnv
 
 # Dense peak TFLOP/s per device, by (name fragment, compute dtype). MFU is reported only
-# where the device is known; add yours here.
+# where the device is known; add yours here. float32 is the plain fp32 (CUDA core) peak, not
+# TF32's tensor-core one: meshforge never enables TF32 (torch's default keeps fp32 matmuls fp32).
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5},  # fp32 column: TF32 tensor cores
-    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5},  # SXM
-    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
-    "L40S": {"bfloat16": 362.0, "float16": 362.0, "float32": 183.0},
-    "A10": {"bfloat16": 125.0, "float16": 125.0, "float32": 62.5},
-    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 60.0},
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},  # SXM
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "L40S": {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6},
+    "A10": {"bfloat16": 125.0, "float16": 125.0, "float32": 31.2},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
     "V100": {"float16": 125.0, "float32": 15.7},  # no bf16: the GPUs fp16 + loss scaling is for
     "T4": {"float16": 65.0, "float32": 8.1},
 }
@@ -58,9 +60,18 @@ def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5, dtype: torch.dtype
     return 2 * n**3 / best
 
 
+def cpu_share(ranks_on_host: int, threads: int, cores: int) -> float:
+    """The part of the host's matmul rate one rank gets, as a multiple of what one process
+    measures alone with `threads` threads: ranks that together ask for more threads than the
+    host has cores share those cores (8 ranks of 1 thread on 2 cores: each gets 2/8 of a core's
+    worth, a quarter of the rate measured alone)."""
+    return min(1.0, cores / (ranks_on_host * min(threads, cores)))
+
+
 def device_peak_flops(env: DistEnv, param_dtype: str) -> float | None:
     """Per-device peak in the compute dtype: the GPU's datasheet number, or this CPU's measured
-    matmul rate (rank 0 measures once; every rank uses its figure)."""
+    matmul rate (rank 0 measures once) times one rank's share of the host's cores
+    (`cpu_share`: the ranks on this host divide the cores between them)."""
     if env.device.type == "cuda":
         return gpu_peak_flops(env.device, param_dtype)
     if param_dtype == "float16":
@@ -69,4 +80,4 @@ def device_peak_flops(env: DistEnv, param_dtype: str) -> float | None:
     peak = torch.tensor(measure_cpu_matmul_flops(dtype=dtype) if env.is_main else 0.0, dtype=torch.float64)
     if dist.is_initialized():
         dist.broadcast(peak, src=0)
-    return float(peak)
+    return float(peak) * cpu_share(env.local_world_size, torch.get_num_threads(), os.cpu_count() or 1)

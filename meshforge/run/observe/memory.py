@@ -2,7 +2,8 @@
 
 On CUDA: the caching allocator's stats. On CPU, `torch.cuda.memory_allocated()` would
 silently return 0, so we measure the process instead: RSS, its high-water mark, and the
-bytes held by the model's state tensors (parameters, gradients, optimizer state).
+bytes held by the model's state tensors (parameters, gradients, optimizer state: 16 bytes
+a parameter in fp32 with AdamW).
 """
 
 from __future__ import annotations
@@ -47,18 +48,20 @@ def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_tensors(
-    parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
-) -> list[torch.Tensor]:
-    """Parameters, their gradients, and the optimizers' per-parameter state."""
-    out = []
-    for part in parts:
-        for p in part.parameters():
-            out += [p, p.grad]
-    for opt in optimizers:
-        for state in opt.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return out
+def model_state_bytes(parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
+    """This rank's parameters, their gradients and the optimizers' per-parameter state, in bytes.
+    Gradients are freed after every step (zero_grad(set_to_none=True)), so each trainable
+    parameter's gradient is counted at its parameter's size: torch requires a gradient to have
+    its parameter's dtype and shape, and this is what the step holds between backward and update."""
+    params = [p for part in parts for p in part.parameters()]
+    moments = [
+        v
+        for opt in optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    return state_bytes(params + moments) + state_bytes(p for p in params if p.requires_grad)
 
 
 # the per-rank peak each device type reports, and what it measures
@@ -105,29 +108,18 @@ def gather_across_ranks(values: dict[str, float], device: torch.device) -> list[
     return [{k: float(v) for k, v in zip(keys, row.cpu().tolist())} for row in gathered]
 
 
-def memory_metrics(values: dict[str, float], device: torch.device) -> tuple[dict[str, float], list[dict]]:
-    """`memory/<name>`: the largest rank's value (what decides an out-of-memory), with
-    `memory_min/<name>` and `memory_rank/<name>` (which rank is largest) beside it; and every
+def memory_metrics(
+    values: dict[str, float], device: torch.device, prefix: str = "memory"
+) -> tuple[dict[str, float], list[dict]]:
+    """`<prefix>/<name>`: the largest rank's value (what decides an out-of-memory), with
+    `<prefix>_min/<name>` and `<prefix>_rank/<name>` (which rank is largest) beside it; and every
     rank's values."""
     per_rank = gather_across_ranks(values, device)
     out: dict[str, float] = {}
     for k in values:
         col = [r[k] for r in per_rank]
-        out[f"memory/{k}"], out[f"memory_min/{k}"] = max(col), min(col)
-        out[f"memory_rank/{k}"] = col.index(max(col))
-    return out, per_rank
-
-
-def reduce_across_ranks(
-    values: dict[str, float], device: torch.device, prefix: str = "mem/"
-) -> tuple[dict[str, float], list[dict]]:
-    """{prefix+key_max, _min, _max_rank} over all ranks, and every rank's values (on all ranks)."""
-    per_rank = gather_across_ranks(values, device)
-    out: dict[str, float] = {}
-    for k in sorted(values):
-        col = [r[k] for r in per_rank]
-        out[f"{prefix}{k}_max"], out[f"{prefix}{k}_min"] = max(col), min(col)
-        out[f"{prefix}{k}_max_rank"] = col.index(max(col))
+        out[f"{prefix}/{k}"], out[f"{prefix}_min/{k}"] = max(col), min(col)
+        out[f"{prefix}_rank/{k}"] = col.index(max(col))
     return out, per_rank
 
 

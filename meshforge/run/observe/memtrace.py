@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
+from meshforge.core.units import GiB
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "temporaries")
 
 # torch's labels (MemTracker's _MemRefType and FSDPMemTracker's _FSDPRefType values) -> ours
@@ -98,3 +100,8 @@ class StepMemTracker(MemTracker):
 def peak_categories(tracker) -> dict[str, int]:
     """The categories at the tracker's peak (the moment its total was highest)."""
     return fold(tracker.get_tracker_snapshot("peak"))
+
+
+def in_gib(categories: dict[str, int]) -> dict[str, float]:
+    """Categories in bytes -> `<category>_gib`, as a run records them (beside `memory/*_gib`)."""
+    return {f"{k}_gib": v / GiB for k, v in categories.items()}

@@ -47,13 +47,11 @@ from meshforge.run.observe.loggers import Loggers
 from meshforge.run.observe.memory import (
     dump_oom,
     memory_metrics,
-    model_state_tensors,
+    model_state_bytes,
     rank_memory,
-    reduce_across_ranks,
     start_memory_history,
-    state_bytes,
 )
-from meshforge.run.observe.memtrace import peak_categories, tracked_step
+from meshforge.run.observe.memtrace import in_gib, peak_categories, tracked_step
 from meshforge.run.observe.record import RunState, StepTime, Throughput, exclusion, summarize
 from meshforge.run.train.evaluate import data_streams
 from meshforge.run.train.forward_backward import ForwardBackward
@@ -330,8 +328,8 @@ class Trainer:
         logged (max/min over ranks), tabled at the end and drawn as a stacked bar per rank."""
         with tracked_step(self.pmodel.parts, self.optimizers, eager=self.recipe.compile.enabled) as tracker:
             out = self.train_step()
-        reduced, per_rank = reduce_across_ranks(
-            peak_categories(tracker), self.env.device, prefix="mem_breakdown/"
+        reduced, per_rank = memory_metrics(
+            in_gib(peak_categories(tracker)), self.env.device, prefix="mem_breakdown"
         )
         self.state.memory_breakdown, self.state.memory_breakdown_step = per_rank, step
         out["memory_breakdown"] = reduced
@@ -344,7 +342,7 @@ class Trainer:
         return dump_oom(self.run_dir, self.env.rank, self.env.device, step, self.phase, estimate, error)
 
     def _metrics(self, step: int, out: dict, dt: float) -> dict:
-        state = state_bytes(model_state_tensors(self.pmodel.parts, self.optimizers))
+        state = model_state_bytes(self.pmodel.parts, self.optimizers)
         mem, per_rank = memory_metrics(rank_memory(self.env.device, state), self.env.device)
         self.state.last_memory, self.state.per_rank_memory = mem, per_rank
         return {

@@ -1,0 +1,101 @@
+"""Settings a choice makes inert, refused when they are set: a value that is accepted and
+then not read would let a recipe say one thing and train another.
+
+Refused here (set to anything but the default): what the chosen data source does not read,
+loss-scale settings without fp16 compute, `selective_every` without selective checkpointing.
+Left alone, with the reason in the field's doc (`meshforge explain`): settings of a switch
+that is off (eval.every = 0, checkpoint.enabled = false, logging.wandb = false, compile off)
+and policies of a mesh dimension of degree 1 (tp.*, pp.*, FSDP's with one data-parallel
+rank): a recipe keeps them so one field (or a sweep's mesh) turns them on, and unread they
+change no number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import PurePath
+
+from meshforge.core.errors import Problem
+
+from .schema import Recipe
+
+# a local file's suffix -> the HF datasets builder that reads it (one owner: the corpus reader uses it)
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}
+
+# data.source -> (the DataConfig fields it does not read, why)
+UNREAD_BY_SOURCE = {
+    "synthetic": (
+        ("path", "format", "text_sample_by", "hf_dataset", "hf_config", "split", "text_column", "tokenizer")
+        + ("shuffle_windows",),
+        "the synthetic source draws token ids itself: no files, dataset, split, column, tokenizer "
+        "or window shuffle",
+    ),
+    "files": (
+        ("hf_dataset", "hf_config", "split", "markov_branching"),
+        "local files have no hub dataset, config or split, and no Markov source",
+    ),
+    "hf": (
+        ("path", "format", "text_sample_by", "markov_branching"),
+        "a hub dataset has no local files, format or plain-text sampling, and no Markov source",
+    ),
+}
+
+
+def unread_problems(section: str, cfg, names, why: str, fix: str) -> list[Problem]:
+    """A Problem for each of `names` in `cfg` set to other than its schema default."""
+    defaults = type(cfg)()
+    return [
+        Problem(
+            f"{section}.{name}",
+            getattr(cfg, name),
+            f"is not read: {why}; set {section}.{name}={as_override(getattr(defaults, name))} (its "
+            f"default) or {fix}",
+        )
+        for name in names
+        if getattr(cfg, name) != getattr(defaults, name)
+    ]
+
+
+def as_override(value) -> str:
+    """A value as a command-line override spells it (null, true, 1.0, byte)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def file_format(path: str | None, fmt: str | None) -> str | None:
+    """The builder local files are read with: data.format, else the glob's suffix (None if unknown)."""
+    return fmt or (FILE_FORMATS.get(PurePath(path).suffix) if path else None)
+
+
+def check_inert(r: Recipe) -> list[Problem]:
+    """Every setting the recipe's own choices leave unread (see the module doc)."""
+    d = r.data
+    problems = []
+    if d.source in UNREAD_BY_SOURCE:  # an unknown source is check_enums'
+        names, why = UNREAD_BY_SOURCE[d.source]
+        problems += unread_problems("data", d, names, why, f"change data.source (now {d.source!r})")
+    if d.source == "files" and file_format(d.path, d.format) in ("json", "parquet"):
+        problems += unread_problems(
+            "data",
+            d,
+            ("text_sample_by",),
+            "json and parquet records are documents already (it cuts plain-text files)",
+            "point data.path at .txt/.md files",
+        )
+    if r.fsdp.param_dtype != "float16":
+        names = [f.name for f in dataclasses.fields(r.loss_scale)]
+        problems += unread_problems(
+            "loss_scale",
+            r.loss_scale,
+            names,
+            f"only float16 compute runs a loss scale (fsdp.param_dtype = {r.fsdp.param_dtype!r})",
+            "set fsdp.param_dtype=float16",
+        )
+    if r.activation_checkpoint.mode != "selective":
+        problems += unread_problems(
+            "activation_checkpoint",
+            r.activation_checkpoint,
+            ("selective_every",),
+            f"activation_checkpoint.mode = {r.activation_checkpoint.mode!r} checkpoints no Nth block",
+            "set activation_checkpoint.mode=selective",
+        )
+    return problems
