@@ -26,12 +26,12 @@ STOP_AT_STEP4_KILL_AT_STEP7 = """
 import os, signal
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
-def step(self):
+def step(self, n):
     if self.state.step == 3 and os.environ.get("MESHFORGE_TEST_STOP") == "1":
         os.kill(os.getpid(), signal.SIGTERM)
     if self.state.step == 6 and os.environ.get("MESHFORGE_TEST_KILL") == "1":
         os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
+    return original(self, n)
 t.Trainer.train_step = step
 """
 
