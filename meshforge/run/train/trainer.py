@@ -105,8 +105,14 @@ class Trainer(TrainingRun):
         self.run_dir = Path(r.output_dir) / r.run_name
         c = r.checkpoint
         folder = checkpoint_folder(c, self.run_dir)
-        state = ModelState(self.pmodel.parts), OptimizerState(self.pmodel.parts, self.optimizers)
-        self.checkpointer = Checkpointer(c, folder, *state, self.env.is_main, need_bytes=12 * self.n_params)
+        self.checkpointer = Checkpointer(
+            c,
+            folder,
+            model=ModelState(self.pmodel.parts),
+            optim=OptimizerState(self.pmodel.parts, self.optimizers),
+            is_main=self.env.is_main,
+            need_bytes=12 * self.n_params,
+        )
         self.resumed = self.checkpointer.restore(
             self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler
         )
