@@ -130,7 +130,8 @@ class JaxTrainer(TrainingRun):
         if not bool(jnp.isfinite(loss) & jnp.isfinite(norm)):
             raise NonFiniteLoss(f"non-finite loss ({float(loss)}) at step {step} (backend=jax)")
         n_tokens = int((batch.labels != IGNORE_INDEX).sum())  # the step's count, read off the host batch
-        return StepResult(loss=loss, grad_norm=norm, lr=lr, tokens=n_tokens)
+        # one controller: a stop signal (SIGTERM, Ctrl-C) ends the run after this step
+        return StepResult(loss=loss, grad_norm=norm, lr=lr, tokens=n_tokens, stop=self.stop.requested)
 
     def run_info(self) -> dict:
         specs = {k: str(s.spec) for k, s in self.shardings.items()}
