@@ -24,19 +24,19 @@ KILL_RANK1_AT_STEP7 = """
 import os, signal
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
-def step(self):
+def step(self, n):
     if os.environ.get("RANK") == "1" and self.state.step == 6:
         os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
+    return original(self, n)
 t.Trainer.train_step = step
 """
 NAN_AT_STEP4 = """
 import meshforge.run.train.forward_backward as fb
 import meshforge.run.train.trainer as t
 original_step, original_ce = t.Trainer.train_step, fb.cross_entropy_sum
-def step(self):
+def step(self, n):
     t._current_step = self.state.step + 1
-    return original_step(self)
+    return original_step(self, n)
 def ce(logits, labels):
     out = original_ce(logits, labels)
     return out * float("nan") if getattr(t, "_current_step", 0) == 4 else out

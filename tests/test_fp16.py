@@ -20,21 +20,37 @@ FP16 = ["fsdp.param_dtype=float16"]
 
 def test_scale_backs_off_on_overflow_grows_after_clean_steps_and_stops_at_its_floor():
     s = LossScaler(LossScaleConfig(initial=1024.0, growth_interval=2, min_scale=256.0), enabled=True)
-    assert s.judge(2.0, math.inf) == "overflow" and s.scale == 512.0 and s.overflows == 1
-    assert s.judge(2.0, 1.0) == "ok" and s.scale == 512.0
-    assert s.judge(2.0, 1.0) == "ok" and s.scale == 1024.0  # two clean steps: grown
-    assert s.judge(2.0, math.nan) == "overflow" and s.scale == 512.0
-    assert s.judge(2.0, math.nan) == "overflow" and s.scale == 256.0
-    assert s.judge(2.0, math.inf) == "bad" and s.scale == 256.0  # at the floor: a bad step
-    assert s.overflows == 4 and s.judge(math.nan, 1.0) == "bad" and s.overflows == 4  # no overflow
+    assert (
+        s.judge(loss_finite=True, grads_finite=False) == "overflow" and s.scale == 512.0 and s.overflows == 1
+    )
+    assert s.judge(loss_finite=True, grads_finite=True) == "ok" and s.scale == 512.0
+    assert (
+        s.judge(loss_finite=True, grads_finite=True) == "ok" and s.scale == 1024.0
+    )  # two clean steps: grown
+    assert s.judge(loss_finite=True, grads_finite=False) == "overflow" and s.scale == 512.0
+    assert s.judge(loss_finite=True, grads_finite=False) == "overflow" and s.scale == 256.0
+    assert (
+        s.judge(loss_finite=True, grads_finite=False) == "bad" and s.scale == 256.0
+    )  # at the floor: a bad step
+    assert (
+        s.overflows == 4 and s.judge(loss_finite=False, grads_finite=True) == "bad" and s.overflows == 4
+    )  # no overflow
     restored = LossScaler(LossScaleConfig(), enabled=True)
     restored.load_state_dict(s.state_dict())
     assert restored.state_dict() == {"scale": 256.0, "clean_steps": 0, "overflows": 4}
 
     fixed = LossScaler(LossScaleConfig(dynamic=False, initial=128.0, growth_interval=1), enabled=True)
-    assert fixed.judge(2.0, 1.0) == "ok" and fixed.judge(2.0, math.inf) == "bad" and fixed.scale == 128.0
+    assert (
+        fixed.judge(loss_finite=True, grads_finite=True) == "ok"
+        and fixed.judge(loss_finite=True, grads_finite=False) == "bad"
+        and fixed.scale == 128.0
+    )
     off = LossScaler(LossScaleConfig(initial=1024.0), enabled=False)
-    assert off.scale == 1.0 and off.judge(2.0, math.inf) == "bad" and off.metrics(1.0) == {}
+    assert (
+        off.scale == 1.0
+        and off.judge(loss_finite=True, grads_finite=False) == "bad"
+        and off.metrics(1.0) == {}
+    )
 
 
 def test_a_forced_overflow_skips_the_update_and_halves_the_scale(tmp_path):
@@ -47,17 +63,17 @@ def test_a_forced_overflow_skips_the_update_and_halves_the_scale(tmp_path):
     trainer = Trainer(load_recipe(str(RECIPES / "debug_cpu.toml"), overrides))
     try:
         before = [p.detach().clone() for p in trainer.params]
-        out = trainer.train_step()
-        assert out["overflow"] and not out["finite"] and math.isnan(out["grad_norm"])
-        assert math.isfinite(out["loss"]) and out["loss_scale"] == 1e12 and out["overflow_steps"] == 1
+        out = trainer.train_step(1)
+        assert out.overflow and not out.finite and math.isnan(float(out.grad_norm))
+        assert math.isfinite(float(out.loss)) and out.loss_scale == {"loss_scale": 1e12, "overflow_steps": 1}
         assert trainer.scaler.scale == 5e11
         assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))  # no update applied
         assert not trainer.optimizers[0].state  # AdamW never stepped
         assert trainer.schedulers[0].last_epoch == 0
 
         trainer.scaler.scale = 1024.0
-        out = trainer.train_step()
-        assert out["finite"] and not out["overflow"] and math.isfinite(out["grad_norm"])
+        out = trainer.train_step(3)  # (not logging.memory_breakdown_step, 2)
+        assert out.finite and not out.overflow and math.isfinite(float(out.grad_norm))
         assert not all(torch.equal(a, p) for a, p in zip(before, trainer.params))
     finally:
         trainer.loader.close()

@@ -129,6 +129,7 @@ def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
     phase and estimate, and leaves the steps before it on record."""
     from meshforge.core.errors import OutOfMemory
     from meshforge.recipe import load_recipe
+    from meshforge.run.train.forward_backward import Phase
     from meshforge.run.train.trainer import Trainer
 
     recipe = load_recipe(
@@ -146,11 +147,11 @@ def test_out_of_memory_is_reported_and_the_records_kept(tmp_path, monkeypatch):
     trainer = Trainer(recipe)
     real_step = trainer.train_step
 
-    def step():
-        if trainer.state.step == 2:
-            trainer.phase = "backward"
+    def step(n):
+        if n == 3:
+            trainer.forward_backward.phase = Phase.BACKWARD
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_step()
+        return real_step(n)
 
     monkeypatch.setattr(trainer, "train_step", step)
     with pytest.raises(OutOfMemory, match="rank 0 ran out of memory in backward at step 3"):

@@ -19,10 +19,10 @@ from meshforge.run.observe import wandb_files as wf
 FAIL_PP4 = """
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
-def step(self):
+def step(self, n):
     if self.dims.pp == 4:
         raise RuntimeError("deliberate failure of the pp4 point")
-    return original(self)
+    return original(self, n)
 t.Trainer.train_step = step
 """
 

@@ -11,8 +11,9 @@ from meshforge.run.observe.record import StepTime, exclusion, steady_throughput,
 
 
 def test_the_rule_names_what_it_leaves_out_and_counts_tokens_over_time():
-    assert [exclusion(n, 2, False, False) for n in (1, 2, 3)] == ["warmup", "warmup", None]
-    assert exclusion(3, 2, True, True) == "memory_tracking" and exclusion(3, 2, False, True) == "checkpoint"
+    assert [exclusion(n, 2, tracked=False, saved=False) for n in (1, 2, 3)] == ["warmup", "warmup", None]
+    assert exclusion(3, 2, tracked=True, saved=True) == "memory_tracking"
+    assert exclusion(3, 2, tracked=False, saved=True) == "checkpoint"
     times = [
         StepTime(1, 100, 9.0, "warmup"),
         StepTime(2, 100, 1.0, None),

@@ -26,12 +26,12 @@ STOP_AT_STEP4_KILL_AT_STEP7 = """
 import os, signal
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
-def step(self):
+def step(self, n):
     if self.state.step == 3 and os.environ.get("MESHFORGE_TEST_STOP") == "1":
         os.kill(os.getpid(), signal.SIGTERM)
     if self.state.step == 6 and os.environ.get("MESHFORGE_TEST_KILL") == "1":
         os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
+    return original(self, n)
 t.Trainer.train_step = step
 """
 
@@ -68,7 +68,7 @@ def test_a_failing_online_start_falls_back_to_offline(monkeypatch, tmp_path):
     monkeypatch.setattr(wandb, "init", init)
     console = Console(record=True, soft_wrap=True)
     logger = WandbLogger(LoggingConfig(wandb_mode="online"), tmp_path, "run", "run-1234", {"a": 1}, console)
-    logger.log({"step": 1, "loss": 2.0})
+    logger.log({"step": 1, "loss": 2.0}, 1)
     logger.close()
     assert modes == ["online", "offline"]
     assert logger.mode == "offline" and "logging offline instead" in console.export_text()
@@ -96,7 +96,7 @@ def test_a_bug_in_wandb_init_is_not_taken_for_a_network_failure(monkeypatch, tmp
 
 def test_disabled_writes_nothing(tmp_path):
     logger = WandbLogger(LoggingConfig(wandb_mode="disabled"), tmp_path, "run", "r-1", {}, Console())
-    logger.log({"step": 1, "loss": 1.0})
+    logger.log({"step": 1, "loss": 1.0}, 1)
     logger.close()
     assert logger.mode == "disabled" and logger.path is None and not list(tmp_path.iterdir())
 
@@ -106,7 +106,7 @@ def offline_segment(run_dir: Path, first: int, last: int) -> tuple[int, str]:
     logger = WandbLogger(LoggingConfig(wandb_mode="offline"), run_dir, "s", "s-1", {}, Console())
     kept = logger.kept_step()
     for step in range(first, last + 1):
-        logger.log({"step": step, "loss": 1 / step})
+        logger.log({"step": step, "loss": 1 / step}, step)
     where = logger.where
     logger.close()
     # in this process W&B's service writes the file after finish() returns (a process that ends,

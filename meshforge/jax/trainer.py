@@ -13,8 +13,6 @@ validation.
 
 from __future__ import annotations
 
-import math
-import time
 from pathlib import Path
 
 import jax
@@ -30,13 +28,12 @@ from meshforge.core.topology import DP_DIMS, ParallelDims
 from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.run.data.loader import build_loader
-from meshforge.run.data.synthetic import loss_floor
 from meshforge.run.launch.distributed import DistEnv
-from meshforge.run.observe.console import RunConsole
-from meshforge.run.observe.describe import banner, open_run, run_info
+from meshforge.run.observe.describe import run_info
 from meshforge.run.observe.flops import flops_per_token, measure_cpu_matmul_flops
 from meshforge.run.observe.memory import memory_metrics, rank_memory
-from meshforge.run.observe.record import RunState, StepTime, Throughput, summarize
+from meshforge.run.observe.record import RunState, Throughput
+from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.optim import lr_multiplier
 from meshforge.run.train.step import IGNORE_INDEX
 from meshforge.simulate.fake_rank import trace_pool
@@ -55,8 +52,12 @@ def torch_param_specs(recipe: Recipe) -> dict[str, PartitionSpec]:
     }
 
 
-class JaxTrainer:
+class JaxTrainer(TrainingRun):
+    """The recipe's steps in JAX; the run around them (records, timing, summary) is the
+    torch trainer's `TrainingRun`."""
+
     def __init__(self, recipe: Recipe):
+        super().__init__()
         self.recipe = r = recipe
         self.dims = ParallelDims.from_config(r.mesh)
         world = self.dims.world_size
@@ -102,9 +103,6 @@ class JaxTrainer:
         self._token_ce_sum = jax_twin(args).token_ce_sum
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
 
-    def summary(self) -> dict:
-        return summarize(self.state, self.throughput, loss_floor(self.loader))
-
     def _train_step(self, params, opt_state, tokens, labels):
         args, max_norm = self.model_args, self.recipe.train.max_norm
 
@@ -119,71 +117,40 @@ class JaxTrainer:
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, total / n_tokens, norm, n_tokens
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         r = self.recipe
         (batch,) = self.loader.next_step()
         lr = r.optimizer.lr * lr_multiplier(step - 1, r.train.steps, r.lr_scheduler)
         self.opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, dtype=jnp.float32)
         tokens = jax.device_put(batch.inputs.numpy().astype(np.int32), self.batch_sharding)
         labels = jax.device_put(batch.labels.numpy().astype(np.int32), self.batch_sharding)
-        self.params, self.opt_state, loss, norm, n = self._step(self.params, self.opt_state, tokens, labels)
-        return {"loss": float(loss), "grad_norm": float(norm), "lr": lr, "tokens": int(n)}
+        self.params, self.opt_state, loss, norm, _ = self._step(self.params, self.opt_state, tokens, labels)
+        # The one host read a step makes: the non-finite guard. It also waits for the step, which
+        # JAX dispatches asynchronously, so the step's time ends where the step does.
+        if not bool(jnp.isfinite(loss) & jnp.isfinite(norm)):
+            raise NonFiniteLoss(f"non-finite loss ({float(loss)}) at step {step} (backend=jax)")
+        n_tokens = int((batch.labels != IGNORE_INDEX).sum())  # the step's count, read off the host batch
+        # one controller: a stop signal (SIGTERM, Ctrl-C) ends the run after this step
+        return StepResult(loss=loss, grad_norm=norm, lr=lr, tokens=n_tokens, stop=self.stop.requested)
 
-    def run(self) -> RunState:
-        r, st = self.recipe, self.state
-        console = RunConsole(enabled=r.logging.progress)
+    def run_info(self) -> dict:
         specs = {k: str(s.spec) for k, s in self.shardings.items()}
         versions = {"jax": jax.__version__, "optax": optax.__version__}
-        info = run_info(r, self.dims, jax.default_backend(), self.n_params, backend="jax", param_specs=specs)
-        about = banner(r, self.dims, self.n_params, "cpu", None, loss_floor(self.loader))
-        record, loggers = open_run(r, self.dims, {**info, "versions": versions}, console, about)
-        console.start(about, self.run_dir, loggers.paths().get("wandb"))
-        status = "failed"
-        try:
-            step_end = time.perf_counter()
-            for step in range(1, r.train.steps + 1):
-                out = self.train_step(step)
-                now = time.perf_counter()
-                dt, step_end = now - step_end, now
-                if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
-                    raise NonFiniteLoss(f"non-finite loss ({out['loss']}) at step {step} (backend=jax)")
-                st.step = step
-                st.losses.append(out["loss"])
-                st.times.append(
-                    StepTime(step, out["tokens"], dt, "warmup" if step <= r.logging.warmup_steps else None)
-                )
-                if step % r.logging.log_every == 0 or step == r.train.steps:
-                    metrics = self._metrics(step, out, dt)
-                    loggers.log(metrics)
-                    console.update(step, metrics)
-            status = "finished"
-        except BaseException as e:
-            record.fail(e)
-            raise
-        finally:
-            summary = self.summary()
-            record.close(status, summary)
-            loggers.close(summary)
-            console.finish(r.run_name, status, summary, self.run_dir, "cpu", loggers.paths())
-        return st
+        r, backend = self.recipe, jax.default_backend()
+        info = run_info(r, self.dims, backend, self.n_params, backend="jax", param_specs=specs)
+        return {**info, "versions": versions}
 
-    def _metrics(self, step: int, out: dict, dt: float) -> dict:
+    def memory(self) -> tuple[dict, list]:
+        """One controller process: its memory, no per-rank rows."""
         params, moments = (
             sum(x.nbytes for x in jax.tree.leaves(t) if hasattr(x, "nbytes"))
             for t in (self.params, self.opt_state)
         )
         state_bytes = 2 * params + moments  # a gradient per parameter, of its size: freed after the update
-        mem, per_rank = memory_metrics(rank_memory(self.env.device, state_bytes), self.env.device)
-        self.state.last_memory, self.state.per_rank_memory = mem, []
-        return {
-            "step": step,
-            "loss": out["loss"],
-            "grad_norm": out["grad_norm"],
-            "lr": out["lr"],
-            **self.throughput.rates(out["tokens"], dt),
-            **mem,
-        }
+        mem, _ = memory_metrics(rank_memory(self.env.device, state_bytes), self.env.device)
+        return mem, []
 
 
 def train_jax(recipe: Recipe) -> RunState:
+    """Train `recipe` with backend=jax in this process."""
     return JaxTrainer(recipe).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -32,6 +33,35 @@ FINGERPRINT = (
     "shuffle_windows",
     "seed",
 )
+
+
+class StepLoader(Protocol):
+    """What the trainers, the checkpointer and the evaluator use of a loader: the synthetic
+    source's ShardedLoader and the CorpusLoader both implement it, so no caller asks which."""
+
+    def next_step(self) -> list[Batch]:
+        """This dp rank's micro-batches of the next optimizer step."""
+
+    def state_dict(self) -> dict:
+        """This rank's position: after the last step handed out (a prefetched one not counted)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a position `state_dict` gave."""
+
+    def checkpoint_state(self) -> dict:
+        """meta.json's data entry (a corpus gathers every dp rank's position: a collective)."""
+
+    def restore_from(self, meta: dict) -> None:
+        """Continue from a checkpoint's meta.json, or refuse it naming why."""
+
+    def hold_steps(self, n_steps: int) -> None:
+        """Require this rank's part to hold `n_steps` steps' batches (the evaluator's held-out set)."""
+
+    def loss_floor(self) -> float | None:
+        """The data's entropy rate in nats/token where it is known, else None."""
+
+    def close(self) -> None:
+        """Stop the background thread."""
 
 
 class CorpusLoader:
@@ -87,6 +117,14 @@ class CorpusLoader:
             n_windows -= take
         self._state = self.windows.state_dict()
 
+    def hold_steps(self, n_steps: int) -> None:
+        """A part shorter than `n_steps` steps is an error, never windows repeated."""
+        self.windows.min_windows = self.micro * self.accum * n_steps
+
+    def loss_floor(self) -> None:
+        """Unknown for documents."""
+        return None
+
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
             self._ahead.exception()  # let it finish (an error of a step never handed out is moot), rewind
@@ -141,7 +179,7 @@ def build_loader(
     dp_size: int = 1,
     dp_group=None,
     micro: int | None = None,
-):
+) -> StepLoader:
     """The recipe's loader for this dp rank: the synthetic source's index-addressed
     ShardedLoader, or a CorpusLoader over this rank's part of a corpus."""
     d, t = recipe.data, recipe.train

@@ -184,16 +184,17 @@ class ShardedLoader:
             )
         self.load_state_dict({"position": meta["data_position"]})
 
+    def hold_steps(self, n_steps: int) -> None:
+        """Nothing to check: an index-addressed stream never runs short."""
+
+    def loss_floor(self) -> float | None:
+        """The source's entropy rate (nats/token), where it is known (a Markov source)."""
+        return self.source.entropy_rate() if isinstance(self.source, MarkovSource) else None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._ahead = None, None
-
-
-def loss_floor(loader) -> float | None:
-    """The entropy rate (nats/token) of the loader's source where it is known (synthetic)."""
-    source = getattr(loader, "source", None)
-    return source.entropy_rate() if isinstance(source, MarkovSource) else None
 
 
 __all__ = [
@@ -201,5 +202,4 @@ __all__ = [
     "build_source",
     "ShardedLoader",
     "Batch",
-    "loss_floor",
 ]

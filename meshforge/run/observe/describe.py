@@ -12,7 +12,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.run.launch.plan import model_source
 from meshforge.run.observe.console import Banner, RunConsole
 from meshforge.run.observe.figures import save_breakdown, save_pipeline
-from meshforge.run.observe.loggers import Loggers
+from meshforge.run.observe.loggers import LoggerContainer, build_loggers
 from meshforge.run.observe.record import RunRecord
 
 
@@ -96,7 +96,7 @@ def open_run(
     console: RunConsole,
     about: Banner,
     resumed: dict | None = None,
-) -> tuple[RunRecord, Loggers]:
+) -> tuple[RunRecord, LoggerContainer]:
     """The run's records, opened by the process that logs: run.json, `<run>/recipe.toml` (the
     resolved recipe, also a W&B artifact and TensorBoard text), the loggers (continuing a
     resumed run without duplicate steps); run.json also keeps the banner and where each
@@ -107,7 +107,7 @@ def open_run(
     (run_dir / "recipe.toml").write_text(toml)
     resumed_step = resumed["step"] if resumed else None
     config = logger_config(recipe, dims)
-    loggers = Loggers(
+    loggers = build_loggers(
         recipe.logging,
         run_dir,
         recipe.run_name,
@@ -118,13 +118,13 @@ def open_run(
     )
     loggers.describe(run_dir / "recipe.toml", toml, hparams(recipe, dims), record.run_id)
     record.info["loggers"] = loggers.paths()
-    if loggers.wandb is not None:
-        record.info["wandb"] = loggers.wandb.where
+    if "wandb" in record.info["loggers"]:
+        record.info["wandb"] = record.info["loggers"]["wandb"]
     record.write()
     return record, loggers
 
 
-def draw_pipeline(schedule, recipe: Recipe, record: RunRecord, loggers: Loggers, step: int) -> None:
+def draw_pipeline(schedule, recipe: Recipe, record: RunRecord, loggers: LoggerContainer, step: int) -> None:
     """The schedule that runs, per rank, as a picture (run folder and W&B) and a bubble figure."""
     title = f"{recipe.pp.schedule}, {recipe.pp.microbatches} microbatches"
     fig, record.info["pp_bubble_fraction"] = save_pipeline(
@@ -134,7 +134,7 @@ def draw_pipeline(schedule, recipe: Recipe, record: RunRecord, loggers: Loggers,
     fig.clf()
 
 
-def draw_breakdown(per_rank: list[dict], recipe: Recipe, step: int, loggers: Loggers) -> None:
+def draw_breakdown(per_rank: list[dict], recipe: Recipe, step: int, loggers: LoggerContainer) -> None:
     """Memory by category per rank at the tracked step, as a stacked bar (run folder and loggers)."""
     run_dir = Path(recipe.output_dir) / recipe.run_name
     title = f"{recipe.run_name}: memory by category at step {step}"
@@ -143,11 +143,13 @@ def draw_breakdown(per_rank: list[dict], recipe: Recipe, step: int, loggers: Log
     fig.clf()
 
 
-def log_final(loggers: Loggers, recipe: Recipe, per_rank_memory: list[dict], latest: Path | None) -> None:
+def log_final(
+    loggers: LoggerContainer, recipe: Recipe, per_rank_memory: list[dict], latest: Path | None
+) -> None:
     """Per-rank memory as a table; with logging.wandb_log_checkpoint, the final checkpoint."""
     if per_rank_memory:
         keys = list(per_rank_memory[0])
         rows = [[i, *map(r.get, keys)] for i, r in enumerate(per_rank_memory)]
         loggers.log_table("memory_per_rank", ["rank", *keys], rows)
-    if recipe.logging.wandb_log_checkpoint and latest is not None and loggers.wandb is not None:
-        loggers.wandb.log_reference(latest, f"checkpoint-{recipe.run_name}", "model")
+    if recipe.logging.wandb_log_checkpoint and latest is not None:
+        loggers.log_checkpoint(latest, f"checkpoint-{recipe.run_name}")

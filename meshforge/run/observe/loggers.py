@@ -27,22 +27,64 @@ from meshforge.run.observe.wandb_files import ends_mid_record, history, segments
 WALL_CLOCK = "time"  # kept in the JSONL record, never charted
 
 
-class JSONLLogger:
-    """`metrics.jsonl`: one JSON object per logged step, flushed line by line."""
+class BaseLogger:
+    """One place metrics go (TorchTitan's BaseLogger shape): a new logger subclasses this,
+    overrides what it can show, and is switched on by a `[logging]` field in `build_loggers`.
+    `name` and `where` (a path, a URL; None: nothing to point at) go to the run's summary."""
+
+    name = ""
+
+    @property
+    def where(self) -> str | None:
+        return None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """One logged step's metrics (`metrics["step"] == step`; WALL_CLOCK included)."""
+
+    def log_figure(self, name: str, fig, step: int) -> None:
+        """A matplotlib figure at its step (the caller saves the PNG)."""
+
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        """A table (per-rank memory, ...); run.json keeps the numbers."""
+
+    def describe(self, recipe_path: Path, recipe_toml: str, hparams: dict[str, Any], run_id: str) -> None:
+        """The resolved recipe (as a file and as text) and the layout's hyperparameters."""
+
+    def log_checkpoint(self, path: Path, name: str) -> None:
+        """The run's final checkpoint folder (logging.wandb_log_checkpoint)."""
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """The run's summary, at its end."""
+
+    def close(self) -> None:
+        """Flush and release what the logger holds."""
+
+
+class JSONLLogger(BaseLogger):
+    """`metrics.jsonl`: one JSON object per logged step, flushed line by line (the source of
+    truth: the run's summary points at it through run.json's `records`, not here)."""
+
+    name = "jsonl"
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / "metrics.jsonl"
         self._f = open(self.path, "a", buffering=1)
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def rows(self) -> list[dict[str, Any]]:
+        """Every step recorded so far (a resumed run's, cut back to its checkpoint)."""
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
         self._f.write(json.dumps(metrics) + "\n")
 
     def close(self) -> None:
         self._f.close()
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(BaseLogger):
     """Scalars per step; on resume, events from the resumed step on are purged (no duplicates)."""
+
+    name = "tensorboard"
 
     def __init__(self, run_dir: Path, resume_step: int | None = None, flush_every: int = 10):
         from torch.utils.tensorboard import SummaryWriter
@@ -54,7 +96,11 @@ class TensorBoardLogger:
         )
         self.flush_every, self._unflushed = flush_every, 0
 
-    def describe(self, recipe_toml: str, hparams: dict[str, Any]) -> None:
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def describe(self, recipe_path: Path, recipe_toml: str, hparams: dict[str, Any], run_id: str) -> None:
         """The recipe as text, and the layout as HParams (with loss as its metric)."""
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
@@ -62,8 +108,7 @@ class TensorBoardLogger:
         for summary in hparams_summary(hparams, {"loss": 0.0}):
             self._w.file_writer.add_summary(summary)
 
-    def log(self, metrics: dict[str, Any]) -> None:
-        step = metrics["step"]
+    def log(self, metrics: dict[str, Any], step: int) -> None:
         for k, v in metrics.items():
             if k not in ("step", WALL_CLOCK) and isinstance(v, (int, float)):
                 self._w.add_scalar(k, v, step)
@@ -112,9 +157,11 @@ def wandb_settings(cfg: LoggingConfig, env: Mapping[str, str] = os.environ) -> d
     }
 
 
-class WandbLogger:
+class WandbLogger(BaseLogger):
     """One W&B run per meshforge run (a resumed run continues its id). `skip_through`: the
     last step W&B already holds from before a resume, which is not logged again."""
+
+    name = "wandb"
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path, run_name: str, run_id: str, config: dict, console):
         import wandb
@@ -188,11 +235,18 @@ class WandbLogger:
         files = [folder / f"run-{self.run_id}.wandb" for folder in self._earlier_folders()]
         return max((row.get("step", 0) for row in history(files)), default=0)
 
-    def log(self, metrics: dict[str, Any]) -> None:
-        if metrics["step"] > self.skip_through:
+    def catch_up(self, recorded: list[dict[str, Any]]) -> None:
+        """After a resume, W&B gets the recorded steps it lacks (replayed from metrics.jsonl,
+        the source of truth) and none twice: each step appears once in its history."""
+        self.skip_through = self.kept_step()
+        for row in recorded:
+            self.log(row, row["step"])
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if step > self.skip_through:
             self.run.log({k: v for k, v in metrics.items() if k != WALL_CLOCK})
 
-    def log_image(self, name: str, fig) -> None:
+    def log_figure(self, name: str, fig, step: int) -> None:
         """A figure, in the history row of the step logged next (one row per step)."""
         from PIL import Image
 
@@ -205,15 +259,15 @@ class WandbLogger:
         """A table in the run's summary (no history row of its own)."""
         self.run.summary[name] = self._wandb.Table(columns=columns, data=rows)
 
-    def log_file(self, path: Path, name: str, kind: str) -> None:
-        """A file as a W&B artifact (e.g. the resolved recipe)."""
-        artifact = self._wandb.Artifact(name, type=kind)
-        artifact.add_file(str(path))
+    def describe(self, recipe_path: Path, recipe_toml: str, hparams: dict[str, Any], run_id: str) -> None:
+        """The resolved recipe as a W&B artifact."""
+        artifact = self._wandb.Artifact(f"recipe-{run_id}", type="recipe")
+        artifact.add_file(str(recipe_path))
         self.run.log_artifact(artifact)
 
-    def log_reference(self, path: Path, name: str, kind: str) -> None:
-        """A folder's location as an artifact (a reference: nothing is uploaded)."""
-        artifact = self._wandb.Artifact(name, type=kind)
+    def log_checkpoint(self, path: Path, name: str) -> None:
+        """The folder's location as a model artifact (a reference: nothing is uploaded)."""
+        artifact = self._wandb.Artifact(name, type="model")
         artifact.add_reference(Path(path).resolve().as_uri(), checksum=False)
         self.run.log_artifact(artifact)
 
@@ -225,82 +279,68 @@ class WandbLogger:
         self.run.finish()
 
 
-class Loggers:
-    """Fan-out to every configured logger; JSONL is always on. `resumed_step`: the checkpoint
-    step a resumed run restarts after (TensorBoard purges later events; W&B is completed)."""
+class LoggerContainer(BaseLogger):
+    """Fans every call out to its loggers (TorchTitan's LoggerContainer): the trainers hold one
+    of these and never name a logger. Each metrics row gets the wall clock (WALL_CLOCK)."""
 
-    def __init__(
-        self,
-        cfg: LoggingConfig,
-        run_dir: Path,
-        run_name: str,
-        run_id: str,
-        config: dict,
-        console,
-        resumed_step: int | None = None,
-    ):
-        self.jsonl = JSONLLogger(run_dir)
-        self.tensorboard = (
-            TensorBoardLogger(run_dir, resumed_step, cfg.flush_every) if cfg.tensorboard else None
-        )
-        self.wandb = None
-        if cfg.wandb:
-            self.wandb = WandbLogger(cfg, run_dir, run_name, run_id, config, console)
-            if self.wandb.mode == "disabled":
-                self.wandb.close()
-                self.wandb = None
-            elif resumed_step is not None:
-                self._continue_wandb()
+    def __init__(self, loggers: list[BaseLogger]):
+        self.loggers = loggers
 
-    def _continue_wandb(self) -> None:
-        """After a resume, W&B gets the recorded steps it lacks (replayed from metrics.jsonl,
-        the source of truth) and none twice: each step appears once in its history."""
-        kept = self.wandb.kept_step()
-        for line in self.jsonl.path.read_text().splitlines():
-            row = json.loads(line)
-            if row["step"] > kept:
-                self.wandb.log(row)
-        self.wandb.skip_through = kept
-
-    @property
-    def all(self) -> list:
-        return [x for x in (self.jsonl, self.tensorboard, self.wandb) if x is not None]
-
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
         metrics = {WALL_CLOCK: time.time(), **metrics}
-        for logger in self.all:
-            logger.log(metrics)
+        for logger in self.loggers:
+            logger.log(metrics, step)
 
     def log_figure(self, name: str, fig, step: int) -> None:
-        """A matplotlib figure to TensorBoard and W&B, at its step (the caller saves the PNG)."""
-        if self.tensorboard is not None:
-            self.tensorboard.log_figure(name, fig, step)
-        if self.wandb is not None:
-            self.wandb.log_image(name, fig)
-
-    def describe(self, recipe_path: Path, recipe_toml: str, hparams: dict[str, Any], run_id: str) -> None:
-        """The resolved recipe: TensorBoard text (and the layout as HParams), a W&B artifact."""
-        if self.tensorboard is not None:
-            self.tensorboard.describe(recipe_toml, hparams)
-        if self.wandb is not None:
-            self.wandb.log_file(recipe_path, f"recipe-{run_id}", "recipe")
+        for logger in self.loggers:
+            logger.log_figure(name, fig, step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
-        """A table (per-rank memory, ...) in W&B's summary; run.json keeps the numbers."""
-        if self.wandb is not None:
-            self.wandb.log_table(name, columns, rows)
+        for logger in self.loggers:
+            logger.log_table(name, columns, rows)
+
+    def describe(self, recipe_path: Path, recipe_toml: str, hparams: dict[str, Any], run_id: str) -> None:
+        for logger in self.loggers:
+            logger.describe(recipe_path, recipe_toml, hparams, run_id)
+
+    def log_checkpoint(self, path: Path, name: str) -> None:
+        for logger in self.loggers:
+            logger.log_checkpoint(path, name)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log_summary(summary)
 
     def paths(self) -> dict[str, str]:
         """Where each logger writes, for the run's summary (whole paths, the W&B URL)."""
-        out = {}
-        if self.tensorboard is not None:
-            out["tensorboard"] = str(self.tensorboard.path)
-        if self.wandb is not None:
-            out["wandb"] = self.wandb.where
-        return out
+        return {x.name: x.where for x in self.loggers if x.where is not None}
 
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        if self.wandb is not None and summary:
-            self.wandb.log_summary(summary)
-        for logger in self.all:
+    def close(self) -> None:
+        for logger in self.loggers:
             logger.close()
+
+
+def build_loggers(
+    cfg: LoggingConfig,
+    run_dir: Path,
+    run_name: str,
+    run_id: str,
+    config: dict,
+    console,
+    resumed_step: int | None = None,
+) -> LoggerContainer:
+    """Every logger `[logging]` switches on; JSONL is always on. `resumed_step`: the checkpoint
+    step a resumed run restarts after (TensorBoard purges later events; W&B is completed)."""
+    jsonl = JSONLLogger(run_dir)
+    loggers: list[BaseLogger] = [jsonl]
+    if cfg.tensorboard:
+        loggers.append(TensorBoardLogger(run_dir, resumed_step, cfg.flush_every))
+    if cfg.wandb:
+        wandb = WandbLogger(cfg, run_dir, run_name, run_id, config, console)
+        if wandb.mode == "disabled":
+            wandb.close()
+        else:
+            if resumed_step is not None:
+                wandb.catch_up(jsonl.rows())
+            loggers.append(wandb)
+    return LoggerContainer(loggers)

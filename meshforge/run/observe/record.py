@@ -50,7 +50,9 @@ class StepTime:
     excluded: str | None = None  # "warmup" | "memory_tracking" | "checkpoint" | "eval"
 
 
-def exclusion(nth_step: int, warmup: int, tracked: bool, saved: bool, evaluated: bool = False) -> str | None:
+def exclusion(
+    nth_step: int, warmup: int, *, tracked: bool, saved: bool, evaluated: bool = False
+) -> str | None:
     """Why a step (the `nth_step` of this process) is not a steady one: the one rule."""
     if nth_step <= warmup:
         return "warmup"
@@ -62,7 +64,8 @@ def step_times_of_rows(rows: list[dict], warmup: int) -> list[StepTime]:
     out = []
     for i, row in enumerate(r for r in rows if "step_time" in r):
         tracked = any(k.startswith("mem_breakdown/") for k in row)
-        excluded = exclusion(i + 1, warmup, tracked, "checkpoint_seconds" in row, "eval/loss" in row)
+        saved, evaluated = "checkpoint_seconds" in row, "eval/loss" in row
+        excluded = exclusion(i + 1, warmup, tracked=tracked, saved=saved, evaluated=evaluated)
         tokens = round(row["tokens_per_sec"] * row["step_time"])
         out.append(StepTime(row["step"], tokens, row["step_time"], excluded))
     return out

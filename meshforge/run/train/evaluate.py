@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.configs import Recipe
-from meshforge.run.data.loader import build_loader
+from meshforge.run.data.loader import StepLoader, build_loader
 from meshforge.run.train.forward_backward import ForwardBackward
 from meshforge.run.train.step import IGNORE_INDEX
 
@@ -35,7 +35,7 @@ def held_out_recipe(recipe: Recipe) -> Recipe:
     return r
 
 
-def data_streams(recipe: Recipe, vocab_size: int, meshes, dims, device) -> tuple:
+def data_streams(recipe: Recipe, vocab_size: int, meshes, dims, device) -> tuple[StepLoader, Evaluator]:
     """This rank's training loader and evaluator: its dp coordinate decides its slice of every
     global batch (its part of a corpus), and of the held-out set."""
     dp_rank = meshes.dp.get_local_rank() if meshes is not None else 0
@@ -48,15 +48,15 @@ class Evaluator:
     def __init__(self, recipe: Recipe, vocab_size: int, dp_rank: int, dp_size: int, dp_group, device):
         self.cfg, self.steps, self.device, self.tp = recipe.eval, recipe.train.steps, device, recipe.mesh.tp
         self.dp_group = dp_group
-        self.loader = None
+        self.loader: StepLoader | None = None
         self.last: dict = {}
         if not self.cfg.every:
             return
         self.loader = build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group)
-        if hasattr(self.loader, "windows"):  # a corpus: the held-out part must hold every batch
-            self.loader.windows.min_windows *= self.cfg.batches
-        synthetic = recipe.data.source == "synthetic"
-        self._start = {"position": HELD_OUT_INDEX} if synthetic else self.loader.state_dict()
+        self.loader.hold_steps(self.cfg.batches)  # a corpus: the held-out part must hold every batch
+        if recipe.data.source == "synthetic":  # its held-out samples: a range training never reaches
+            self.loader.load_state_dict({"position": HELD_OUT_INDEX})
+        self._start = self.loader.state_dict()
 
     def due(self, step: int) -> bool:
         return self.loader is not None and (step % self.cfg.every == 0 or step == self.steps)

@@ -33,12 +33,12 @@ class BadStepBudget:
     def __init__(self, allowed: int):
         self.allowed, self.seen = allowed, 0
 
-    def spend(self, step: int, out: dict) -> str:
+    def spend(self, step: int, loss: float, grad_norm: float) -> str:
         """Count a non-finite step; raise once over budget, else the note to show."""
         self.seen += 1
         if self.seen > self.allowed:
             raise NonFiniteLoss(
-                f"non-finite loss ({out['loss']}) or grad norm ({out['grad_norm']}) at step {step}; the "
+                f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step}; the "
                 "update was not applied. Lower optimizer.lr, check the data, or allow skipping with "
                 f"train.max_bad_steps (now {self.allowed})"
             )

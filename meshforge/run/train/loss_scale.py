@@ -14,7 +14,6 @@ is the same everywhere with no extra collective; unscaling folds into the clippi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from meshforge.configs.schema import LossScaleConfig
@@ -38,13 +37,12 @@ class LossScaler:
         """An overflow here cannot be cured by backing off: it is a bad step."""
         return not self.cfg.dynamic or self.scale * self.cfg.backoff_factor < self.cfg.min_scale
 
-    def judge(self, loss: float, grad_norm: float) -> str:
+    def judge(self, *, loss_finite: bool, grads_finite: bool) -> str:
         """The step's outcome, with the scale updated: "ok" (apply the update), "overflow"
         (skip it; the scale backed off) or "bad" (a non-finite loss, which no scale causes,
         or an overflow at the floor: it spends train.max_bad_steps)."""
-        if not math.isfinite(loss):
+        if not loss_finite:
             return "bad"
-        grads_finite = math.isfinite(grad_norm)
         cured = self.enabled and not grads_finite and not self.at_floor()
         self.update(grads_finite)
         return "ok" if grads_finite else "overflow" if cured else "bad"
@@ -77,9 +75,10 @@ class LossScaler:
         self.clean_steps, self.overflows = int(state["clean_steps"]), int(state["overflows"])
 
 
-def overflow_note(step: int, out: dict) -> str:
-    """The terminal's line for a step skipped on an fp16 overflow."""
+def overflow_note(step: int, scaler_metrics: dict) -> str:
+    """The terminal's line for a step skipped on an fp16 overflow (`scaler_metrics`: the step's
+    `LossScaler.metrics`)."""
     return (
-        f"step {step}: fp16 gradients overflowed at loss scale {out['loss_scale']:g}; update skipped "
-        f"and the scale backed off ({out['overflow_steps']} overflow steps so far)"
+        f"step {step}: fp16 gradients overflowed at loss scale {scaler_metrics['loss_scale']:g}; update "
+        f"skipped and the scale backed off ({scaler_metrics['overflow_steps']} overflow steps so far)"
     )

@@ -5,20 +5,18 @@ FSDP) -> materialize weights (mesh-independent) -> optimizer + schedule -> shard
 -> steps. The loss is the sum of token cross-entropies divided by the number of target
 tokens in the whole global batch, so losses and gradients match across mesh shapes.
 Each component owns its policy: the checkpointer when to save, the record run.json, the
-console what the terminal shows; the loop only steps, logs and asks them."""
+console what the terminal shows; the run around the steps (records, timing, logging, the
+summary, the closes) is `TrainingRun`'s (lifecycle.py), shared with the JAX trainer."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshforge.configs import Recipe, recipe_to_dict
-from meshforge.core.errors import Interrupted, OutOfMemory
 from meshforge.core.logs import setup_logging
 from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
@@ -29,21 +27,11 @@ from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
-from meshforge.run.data.synthetic import loss_floor
 from meshforge.run.launch import distributed as mfdist
 from meshforge.run.launch.plan import make_plan
-from meshforge.run.launch.watch import LAUNCHED_ENV
-from meshforge.run.observe.console import RunConsole
-from meshforge.run.observe.describe import (
-    banner,
-    draw_breakdown,
-    draw_pipeline,
-    log_final,
-    open_run,
-    run_info,
-)
+from meshforge.run.observe.describe import draw_breakdown, draw_pipeline, run_info
 from meshforge.run.observe.flops import device_peak_flops, flops_per_token
-from meshforge.run.observe.loggers import Loggers
+from meshforge.run.observe.loggers import LoggerContainer
 from meshforge.run.observe.memory import (
     dump_oom,
     memory_metrics,
@@ -52,17 +40,19 @@ from meshforge.run.observe.memory import (
     start_memory_history,
 )
 from meshforge.run.observe.memtrace import in_gib, peak_categories, tracked_step
-from meshforge.run.observe.record import RunState, StepTime, Throughput, exclusion, summarize
+from meshforge.run.observe.record import RunRecord, RunState, Throughput
 from meshforge.run.train.evaluate import data_streams
-from meshforge.run.train.forward_backward import ForwardBackward
-from meshforge.run.train.guards import BadStepBudget, StopSignals
+from meshforge.run.train.forward_backward import ForwardBackward, Phase, PipelineLoss
+from meshforge.run.train.guards import BadStepBudget
+from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.loss_scale import LossScaler, overflow_note
 from meshforge.run.train.optim import build_lr_scheduler, build_optimizer
 from meshforge.run.train.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 
 
-class Trainer:
+class Trainer(TrainingRun):
     def __init__(self, recipe: Recipe):
+        super().__init__()
         self.recipe = r = recipe
         # one process needs a (1-rank) process group only when FSDP still applies: cpu_offload
         self.env = mfdist.setup(r.train.device, r.train.cpu_threads, group_of_one=r.fsdp.cpu_offload)
@@ -96,45 +86,31 @@ class Trainer:
             materialize(part, self.env.device, r.seed, params_on_cpu=r.fsdp.cpu_offload)
             part.train()
         self.params = [p for part in self.pmodel.parts for p in part.parameters()]
-        pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
+        self.pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
         root = self.meshes.root if self.meshes else None
         self.tied = tie_across_stages(self.pmodel.parts, self.pmodel.stage_ids, root, r.pp, self.env.device)
-        check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, pp_group, self.tied)
+        check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, self.pp_group, self.tied)
 
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
         self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
         self.schedulers = [build_lr_scheduler(opt, r.train.steps, r.lr_scheduler) for opt in self.optimizers]
         self.scaler = LossScaler(r.loss_scale, enabled=r.fsdp.param_dtype == "float16")
+        self.budget = BadStepBudget(r.train.max_bad_steps)
 
         vocab = self.model_args.vocab_size
         self.loader, self.evaluator = data_streams(r, vocab, self.meshes, self.dims, self.env.device)
-
-        ids, n_stages = self.pmodel.stage_ids, self.dims.pp * r.pp.stages_per_rank
-        self.forward_backward = ForwardBackward(
-            self.pmodel.parts,
-            None,
-            0 in ids,
-            n_stages - 1 in ids,
-            r.pp.microbatches,
-            StepPolicy.of(self.dims, r.tp, r.fsdp),
-            self.env.device,
-        )
-        self.schedule = None
-        if self.dims.pp_enabled:
-            self.schedule = build_schedule(
-                self.pmodel.parts,
-                ids,
-                self.meshes.pp,
-                r.pp,
-                self.env.device,
-                self.forward_backward.pipeline_loss,
-            )
-            self.forward_backward.schedule = self.schedule
+        self.forward_backward, self.schedule = self._build_forward_backward()
         self.run_dir = Path(r.output_dir) / r.run_name
         c = r.checkpoint
         folder = checkpoint_folder(c, self.run_dir)
-        state = ModelState(self.pmodel.parts), OptimizerState(self.pmodel.parts, self.optimizers)
-        self.checkpointer = Checkpointer(c, folder, *state, self.env.is_main, need_bytes=12 * self.n_params)
+        self.checkpointer = Checkpointer(
+            c,
+            folder,
+            model=ModelState(self.pmodel.parts),
+            optim=OptimizerState(self.pmodel.parts, self.optimizers),
+            is_main=self.env.is_main,
+            need_bytes=12 * self.n_params,
+        )
         self.resumed = self.checkpointer.restore(
             self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler
         )
@@ -146,7 +122,6 @@ class Trainer:
             self.env.device.type,
         )
         self.state = RunState(step=self.start_step)
-        self.stop = StopSignals()
         self._breakdown_blocked = None
         if self.dims.pp_enabled and r.pp.schedule in ZERO_BUBBLE_SCHEDULES:
             self._breakdown_blocked = (
@@ -155,32 +130,70 @@ class Trainer:
                 "still traces it)"
             )
 
+    def _build_forward_backward(self):
+        """The step's forwards and backwards, whole: under pipeline parallelism the schedule
+        (which calls the loss) and the ForwardBackward (which reads it) share one PipelineLoss."""
+        r, ids = self.recipe, self.pmodel.stage_ids
+        policy = StepPolicy.of(self.dims, r.tp, r.fsdp)
+        if not self.dims.pp_enabled:
+            return ForwardBackward(parts=self.pmodel.parts, policy=policy, device=self.env.device), None
+        loss = PipelineLoss()
+        schedule = build_schedule(self.pmodel.parts, ids, self.meshes.pp, r.pp, self.env.device, loss)
+        n_stages = self.dims.pp * r.pp.stages_per_rank
+        forward_backward = ForwardBackward(
+            parts=self.pmodel.parts,
+            policy=policy,
+            device=self.env.device,
+            schedule=schedule,
+            loss=loss,
+            has_first=0 in ids,
+            has_last=n_stages - 1 in ids,
+            microbatches=r.pp.microbatches,
+        )
+        return forward_backward, schedule
+
     # --- checkpoints ------------------------------------------------------------------
 
-    @property
-    def phase(self) -> str:
-        """What the step is doing (forward, backward, optimizer, ...), for an out-of-memory report."""
-        return self.forward_backward.phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self.forward_backward.phase = value
-
-    def _checkpoint_meta(self, step: int, run_id: str | None) -> dict:
+    def _checkpoint_meta(self, step: int) -> dict:
         return {
             "step": step,
             **self.loader.checkpoint_state(),  # a corpus gathers every dp rank's position (a collective)
             "lr_scheduler": self.schedulers[0].state_dict(),
             "loss_scale": self.scaler.state_dict() if self.scaler.enabled else None,
-            "run_id": run_id,
+            "run_id": self.run_id,
             "mesh": self.dims.degrees,
             "recipe": recipe_to_dict(self.recipe),
             "model_args": dataclasses.asdict(self.model_args),  # the resolved shape (model.hf may move)
         }
 
+    def latest_checkpoint(self) -> Path | None:
+        return self.checkpointer.latest()
+
+    def resume_hint(self) -> str:
+        return (
+            "; checkpoint saved, resume with checkpoint.load=latest" if self.recipe.checkpoint.enabled else ""
+        )
+
+    def finish(self) -> None:
+        self.checkpointer.wait()
+
     # --- one step -------------------------------------------------------------------
 
-    def train_step(self) -> dict:
+    def train_step(self, step: int) -> StepResult:
+        """One training step (tracked by category on logging.memory_breakdown_step, and drawn),
+        finished on the device."""
+        on_breakdown_step = step == self.recipe.logging.memory_breakdown_step
+        if on_breakdown_step and self._breakdown_blocked:
+            self.console.note(self._breakdown_blocked)
+        if on_breakdown_step and self._breakdown_blocked is None:
+            result = self._tracked_step(step)
+        else:
+            result = self._step()
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        return result
+
+    def _step(self) -> StepResult:
         r, env = self.recipe, self.env
         batches = self.loader.next_step()
         # the global number of target tokens, summed over accumulation and dp ranks
@@ -194,178 +207,102 @@ class Trainer:
         scale = self.scaler.scale
         ce_total = self.forward_backward(batches, scale / n_tokens)
         self.tied.sync_grads()  # a weight tied across pipeline stages: both copies get its gradient
-        pp_group = self.meshes.pp.get_group() if self.dims.pp_enabled else None
         skip = self.tied.norm_skips()
-        grad_norm = float(clip_grad_norm(self.params, r.train.max_norm, pp_group, 1.0 / scale, skip))
+        grad_norm = clip_grad_norm(self.params, r.train.max_norm, self.pp_group, 1.0 / scale, skip)
         # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
         # request (SIGTERM) rides along in the same all-reduce, so all ranks stop together.
         packed = torch.stack([ce_total, torch.tensor(float(self.stop.requested), device=env.device)])
         if dist.is_initialized():
             dist.all_reduce(packed)
             packed[0] /= self.dims.tp
-        loss, stop = float(packed[0] / n_tokens), bool(packed[1] > 0)
+        loss = packed[0] / n_tokens
+        # The one host read a step must make (a sync on a GPU): whether to apply the update (a
+        # finite loss and grad norm; the fp16 loss scale's schedule), a stop request and the token
+        # count. Loss and grad norm themselves stay on the device until a logging step reads them.
+        host = [loss.isfinite(), grad_norm.to(env.device).isfinite(), packed[1] > 0, n_tokens]
+        loss_finite, grads_finite, stop, tokens = torch.stack([x.float() for x in host]).tolist()
         lr = self.schedulers[0].get_last_lr()[0]
         # loss and norm are reduced over all ranks, so every rank takes the same branch
-        outcome = self.scaler.judge(loss, grad_norm)
-        self.phase = "optimizer"
+        outcome = self.scaler.judge(loss_finite=bool(loss_finite), grads_finite=bool(grads_finite))
+        self.forward_backward.phase = Phase.OPTIMIZER
         if outcome == "ok":
             for opt, sched in zip(self.optimizers, self.schedulers):
                 opt.step()
                 sched.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": int(n_tokens.item()),
-            "finite": outcome == "ok",
-            "overflow": outcome == "overflow",
-            "stop": stop,
-            **self.scaler.metrics(scale),
-        }
-
-    # --- the run --------------------------------------------------------------------
-
-    def run(self) -> RunState:
-        r, env, st = self.recipe, self.env, self.state
-        # launched here by meshforge: the launcher shows the run (run/launch/watch.py); else rank 0 does
-        console = RunConsole(
-            enabled=env.is_main and r.logging.progress and os.environ.get(LAUNCHED_ENV) != "launcher"
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=int(tokens),
+            finite=outcome == "ok",
+            overflow=outcome == "overflow",
+            stop=bool(stop),
+            loss_scale=self.scaler.metrics(scale),
         )
-        record = loggers = None
-        if env.is_main:
-            info = run_info(r, self.dims, env.device.type, self.n_params, pipeline_layout=self._layout())
-            about = banner(
-                r, self.dims, self.n_params, env.device.type, self._layout(), loss_floor(self.loader)
-            )
-            record, loggers = open_run(r, self.dims, info, console, about, self.resumed)
-            console.start(about, self.run_dir, loggers.paths().get("wandb"))
-            if self.schedule is not None:
-                draw_pipeline(self.schedule, r, record, loggers, self.start_step)
-        run_id = mfdist.broadcast_object(record.run_id if record else None)
-        status, budget = "failed", BadStepBudget(r.train.max_bad_steps)
-        try:
-            with self.stop:
-                step_end = time.perf_counter()
-                for step in range(self.start_step + 1, r.train.steps + 1):
-                    out, tracked = self._step(step, loggers, console)
-                    if out["finite"] and self.evaluator.due(step):
-                        out["eval"] = self.evaluator(self.forward_backward)
-                    if not out["finite"]:  # logged first: the budget may end the run here, unsaved
-                        self._record(
-                            step, out, time.perf_counter() - step_end, tracked, None, loggers, console
-                        )
-                        console.note(overflow_note(step, out) if out["overflow"] else budget.spend(step, out))
-                    saved_s = self.checkpointer.maybe_save(
-                        step, step == r.train.steps, out["stop"], lambda: self._checkpoint_meta(step, run_id)
-                    )
-                    now = time.perf_counter()  # the step's time runs from the last one's end to here
-                    if out["finite"]:
-                        self._record(step, out, now - step_end, tracked, saved_s, loggers, console)
-                    step_end = now
-                    if out["stop"]:
-                        status = "preempted"
-                        resume = "; checkpoint saved, resume with checkpoint.load=latest"
-                        raise Interrupted(
-                            f"stopped by a signal after step {step}" + resume * r.checkpoint.enabled
-                        )
-            self.checkpointer.wait()
-            status = "finished"
-        except torch.OutOfMemoryError as e:
-            status = "oom"
-            report = self._report_oom(e, st.step + 1)
-            if record:
-                record.fail(report["message"])
-            raise OutOfMemory(report["message"]) from e
-        except BaseException as e:
-            if record:
-                record.fail(e)
-            raise
-        finally:
-            self.loader.close()
-            self.evaluator.close()
-            if record:
-                summary = self.summary()
-                record.close(status, summary)
-                log_final(loggers, r, self.state.per_rank_memory, self.checkpointer.latest())
-                loggers.close(summary)
-                console.finish(r.run_name, status, summary, self.run_dir, env.device.type, loggers.paths())
-        return st
 
-    def _step(self, step: int, loggers: Loggers | None, console: RunConsole) -> tuple[dict, bool]:
-        """One training step (tracked by category on logging.memory_breakdown_step, and drawn),
-        finished on the device; returns its outputs and whether it was tracked."""
-        on_breakdown_step = step == self.recipe.logging.memory_breakdown_step
-        if on_breakdown_step and self._breakdown_blocked:
-            console.note(self._breakdown_blocked)
-        tracked = on_breakdown_step and self._breakdown_blocked is None
-        out = self._tracked_step(step) if tracked else self.train_step()
-        if tracked and loggers is not None:
-            draw_breakdown(self.state.memory_breakdown, self.recipe, step, loggers)
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
-        return out, tracked
-
-    def _record(self, step, out, dt, tracked, checkpoint_s: float | None, loggers, console) -> None:
-        """Count the step's time for the summary (steady or excluded, and why) and log it."""
-        r, st, evaluated, saved = self.recipe, self.state, "eval" in out, checkpoint_s is not None
-        why = exclusion(step - self.start_step, r.logging.warmup_steps, tracked, saved, evaluated)
-        st.step = step
-        st.losses.append(out["loss"])
-        st.times.append(StepTime(step, out["tokens"], dt, why))
-        due = step % r.logging.log_every == 0 or step == r.train.steps
-        if due or not out["finite"] or tracked or evaluated:
-            metrics = self._metrics(step, out, dt)
-            if checkpoint_s is not None:
-                metrics["checkpoint_seconds"] = checkpoint_s
-            if loggers is not None:
-                loggers.log(metrics)
-            console.update(step, metrics)
-
-    def _tracked_step(self, step: int) -> dict:
+    def _tracked_step(self, step: int) -> StepResult:
         """A training step under torch's memory tracker: every rank's peak by category,
         logged (max/min over ranks), tabled at the end and drawn as a stacked bar per rank."""
         with tracked_step(self.pmodel.parts, self.optimizers, eager=self.recipe.compile.enabled) as tracker:
-            out = self.train_step()
+            result = self._step()
         reduced, per_rank = memory_metrics(
             in_gib(peak_categories(tracker)), self.env.device, prefix="mem_breakdown"
         )
         self.state.memory_breakdown, self.state.memory_breakdown_step = per_rank, step
-        out["memory_breakdown"] = reduced
-        return out
+        result.tracked, result.memory_breakdown = True, reduced
+        if self.loggers is not None:
+            draw_breakdown(per_rank, self.recipe, step, self.loggers)
+        return result
 
-    def _report_oom(self, error: BaseException, step: int) -> dict:
+    def after_step(self, step: int, result: StepResult) -> float | None:
+        """Evaluation when due, a non-finite step's note (or the end of the run when over
+        train.max_bad_steps, before anything is saved), the checkpoint policy."""
+        if result.finite and self.evaluator.due(step):
+            result.eval = self.evaluator(self.forward_backward)
+        if result.overflow:
+            self.console.note(overflow_note(step, result.loss_scale))
+        elif not result.finite:
+            self.console.note(self.budget.spend(step, float(result.loss), float(result.grad_norm)))
+        last = step == self.recipe.train.steps
+        return self.checkpointer.maybe_save(
+            step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
+        )
+
+    # --- what the lifecycle asks --------------------------------------------------------
+
+    def run_info(self) -> dict:
+        device, layout = self.env.device.type, self.layout()
+        return run_info(self.recipe, self.dims, device, self.n_params, pipeline_layout=layout)
+
+    def on_open(self, record: RunRecord, loggers: LoggerContainer) -> None:
+        if self.schedule is not None:
+            draw_pipeline(self.schedule, self.recipe, record, loggers, self.start_step)
+
+    def oom_report(self, error: BaseException, step: int) -> str:
         """Which rank, what phase, the estimate, and (CUDA) the allocator's snapshot, written
         beside the run's records (`oom-rank<r>.json`, `.pickle` for pytorch.org/memory_viz)."""
         estimate = make_plan(self.recipe).bytes_per_rank
-        return dump_oom(self.run_dir, self.env.rank, self.env.device, step, self.phase, estimate, error)
+        phase = self.forward_backward.phase.value
+        report = dump_oom(self.run_dir, self.env.rank, self.env.device, step, phase, estimate, error)
+        return report["message"]
 
-    def _metrics(self, step: int, out: dict, dt: float) -> dict:
+    def memory(self) -> tuple[dict, list]:
         state = model_state_bytes(self.pmodel.parts, self.optimizers)
-        mem, per_rank = memory_metrics(rank_memory(self.env.device, state), self.env.device)
-        self.state.last_memory, self.state.per_rank_memory = mem, per_rank
-        return {
-            "step": step,
-            "loss": out["loss"],
-            "grad_norm": out["grad_norm"],
-            "lr": out["lr"],
-            **self.throughput.rates(out["tokens"], dt),
-            **{k: out[k] for k in ("loss_scale", "overflow_steps") if k in out},
-            **mem,
-            **out.get("memory_breakdown", {}),
-            **out.get("eval", {}),
-        }
+        return memory_metrics(rank_memory(self.env.device, state), self.env.device)
 
-    def _layout(self) -> list[list[int]] | None:
+    def close_sources(self) -> None:
+        self.loader.close()
+        self.evaluator.close()
+
+    def layout(self) -> list[list[int]] | None:
         return self.pmodel.layout if self.dims.pp_enabled else None
 
-    def summary(self) -> dict:
+    def summary_extra(self) -> dict:
         fp16 = self.scaler.metrics(self.scaler.scale)  # the final scale and overflow count (fp16)
-        evaluated = {
-            k.replace("/", "_"): v for k, v in self.evaluator.last.items()
-        }  # eval_loss, eval_perplexity
-        return {**summarize(self.state, self.throughput, loss_floor(self.loader)), **fp16, **evaluated}
+        evaluated = {k.replace("/", "_"): v for k, v in self.evaluator.last.items()}  # eval_loss, ...
+        return {**fp16, **evaluated}
 
 
 def train(recipe: Recipe) -> RunState:
