@@ -22,7 +22,14 @@ from rich.table import Table
 from meshforge.cli.parsers import run_parser, subcommand_parsers
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
 from meshforge.configs.explain import explain_table
-from meshforge.core.errors import EXIT_INTERRUPTED, MeshforgeError, Problem, RecipeError, UsageError
+from meshforge.core.errors import (
+    EXIT_INTERRUPTED,
+    Interrupted,
+    MeshforgeError,
+    Problem,
+    RecipeError,
+    UsageError,
+)
 from meshforge.core.logs import setup_logging
 
 console = Console(soft_wrap=True)
@@ -38,6 +45,10 @@ def main(command: Callable[[argparse.Namespace], int | None], args: argparse.Nam
         err_console.print(f"[bold red]error:[/] {e.source}: {len(e.problems)} problem(s) in the recipe")
         for p in e.problems:
             err_console.print(f"  [bold]{p.field}[/] = {p.value!r}: {p.message}", highlight=False)
+        return e.exit_code
+    except Interrupted as e:  # asked for, not an error: one line, from one rank under torchrun
+        if os.environ.get("RANK", "0") == "0":
+            err_console.print(f"[yellow]{e}[/]", highlight=False)
         return e.exit_code
     except MeshforgeError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
@@ -121,6 +132,9 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     missing = check_machine(plan, pick_device_type(recipe.train.device), launching)
     if missing:
         raise MachineError([*missing, "`run_recipe RECIPE --dry-run` shows the plan without running it."])
+    from meshforge.run.checkpoint.dcp import refuse_unresumed
+
+    refuse_unresumed(recipe.checkpoint, Path(recipe.output_dir) / recipe.run_name)  # never set aside
     resuming = recipe.checkpoint.load is not None  # a resumed run continues its own records
     if not resuming and (not under_torchrun() or os.environ.get("RANK") == "0"):
         _set_aside_previous_run(recipe)

@@ -47,7 +47,7 @@ class TensorBoardLogger:
         self.path = run_dir / "tensorboard"
         # the writer's own thread also flushes every 30 s; a flush per step costs a file sync
         self._w = SummaryWriter(
-            log_dir=str(self.path), purge_step=resume_step + 1 if resume_step else None, flush_secs=30
+            log_dir=str(self.path), purge_step=None if resume_step is None else resume_step + 1, flush_secs=30
         )
         self.flush_every, self._unflushed = flush_every, 0
 
@@ -68,6 +68,10 @@ class TensorBoardLogger:
         if self._unflushed >= self.flush_every:
             self._w.flush()
             self._unflushed = 0
+
+    def flush(self) -> None:
+        self._w.flush()
+        self._unflushed = 0
 
     def log_figure(self, name: str, fig, step: int) -> None:
         self._w.add_figure(name, fig, step, close=False)
@@ -251,6 +255,11 @@ class Loggers:
         metrics = {WALL_CLOCK: time.time(), **metrics}
         for logger in self.all:
             logger.log(metrics)
+
+    def flush(self) -> None:
+        """Make what was logged durable (at a checkpoint: a killed run resumes from there)."""
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
 
     def log_figure(self, name: str, fig, step: int) -> None:
         """A matplotlib figure to TensorBoard and W&B, at its step (the caller saves the PNG)."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.configs import Recipe, recipe_to_dict
-from meshforge.core.errors import Interrupted, OutOfMemory
+from meshforge.core.errors import OutOfMemory
 from meshforge.core.logs import setup_logging
 from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
@@ -27,7 +27,7 @@ from meshforge.parallelisms import build_meshes, check_parameter_count, material
 from meshforge.parallelisms.fsdp import quiet_embedding_view_warning
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
-from meshforge.run.checkpoint.dcp import Checkpointer
+from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
 from meshforge.run.data.synthetic import loss_floor
 from meshforge.run.launch import distributed as mfdist
@@ -133,10 +133,9 @@ class Trainer:
             )
             self.forward_backward.schedule = self.schedule
         self.run_dir = Path(r.output_dir) / r.run_name
-        c = r.checkpoint
-        folder = Path(c.folder) if Path(c.folder).is_absolute() else self.run_dir / c.folder
+        folder = checkpoint_folder(r.checkpoint, self.run_dir)
         state = ModelState(self.pmodel.parts), OptimizerState(self.pmodel.parts, self.optimizers)
-        self.checkpointer = Checkpointer(c, folder, *state, self.env.is_main, need_bytes=12 * self.n_params)
+        self.checkpointer = Checkpointer(r.checkpoint, folder, *state, self.env.is_main, 12 * self.n_params)
         self.resumed = self.checkpointer.restore(
             self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler
         )
@@ -267,11 +266,9 @@ class Trainer:
                         self._record(step, out, now - step_end, tracked, saved_s, loggers, console)
                     step_end = now
                     if out["stop"]:
+                        self.checkpointer.wait()  # an async save of this step is committed before we end
                         status = "preempted"
-                        resume = "; checkpoint saved, resume with checkpoint.load=latest"
-                        raise Interrupted(
-                            f"stopped by a signal after step {step}" + resume * r.checkpoint.enabled
-                        )
+                        raise self.stop.interrupted(step, self.checkpointer.latest() if saved_s else None)
             self.checkpointer.wait()
             status = "finished"
         except torch.OutOfMemoryError as e:
@@ -324,6 +321,8 @@ class Trainer:
             if loggers is not None:
                 loggers.log(metrics)
             console.update(step, metrics)
+        if saved and loggers is not None:
+            loggers.flush()  # a run killed later resumes from this checkpoint: its records up to it are kept
 
     def _tracked_step(self, step: int) -> dict:
         """A training step under torch's memory tracker: every rank's peak by category,
