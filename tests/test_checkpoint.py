@@ -285,6 +285,7 @@ def test_a_requeued_run_killed_twice_ends_with_every_step_once_in_every_record(t
     assert not list(tmp_path.glob("requeued.*"))  # nothing set aside
 
 
+@pytest.mark.slow
 def test_auto_before_any_checkpoint_starts_afresh_and_keeps_each_step_once(tmp_path):
     """A requeued job whose first attempt died before any checkpoint: the same command starts
     from step 0 again, its records cut back to nothing (not [1, 2, 3, 1, 2, 3]), same run id."""

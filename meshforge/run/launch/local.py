@@ -58,7 +58,10 @@ class ForwardStop:
 
     def _forward(self, signum, frame) -> None:
         again, self.name = self.name is not None, self.name or signal.Signals(signum).name
-        for rank in multiprocessing.active_children():  # the elastic agent's spawned ranks
+        ranks = multiprocessing.active_children()  # the elastic agent's spawned ranks
+        if not ranks:  # none started yet: start none
+            raise Interrupted(f"stopped by {self.name} before training started: nothing saved")
+        for rank in ranks:
             os.kill(rank.pid, signal.SIGKILL if again else signum)
 
     def __exit__(self, *exc) -> None:
