@@ -51,8 +51,10 @@ class ForwardStop:
     """SIGTERM/SIGINT to the launcher go to every rank (Kubernetes signals only the launcher);
     a second one kills them (what is committed stays: checkpoints are renamed once complete)."""
 
+    def __init__(self, started: float):
+        self.started, self.name = started, None
+
     def __enter__(self) -> ForwardStop:
-        self.name: str | None = None
         self._previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
@@ -72,7 +74,8 @@ class ForwardStop:
         """The ranks' own line (run.json's error) when their loop stopped; else they were still
         starting, and the record says so."""
         info = json.loads(run_json.read_text()) if run_json.is_file() else {}
-        if info.get("status") == "preempted" and info.get("error"):
+        ours = info.get("start_time", 0) >= self.started  # not an earlier attempt's record
+        if ours and info.get("status") == "preempted" and info.get("error"):
             return Interrupted(info["error"].removeprefix(f"{Interrupted.__name__}: "))
         message = f"stopped by {self.name} before training started: nothing saved"
         mark_failed(run_json, message, status="preempted")
@@ -102,13 +105,9 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     # terminal, and the ranks log at its level
     rank_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
     console = RunConsole(enabled=recipe.logging.progress)
-    stop = ForwardStop()
+    stop = ForwardStop(started=time.time())
     try:
-        with (
-            mock.patch.dict(os.environ, rank_env),
-            stop,
-            RunWatcher(log_dir.parent, console, started=time.time()),
-        ):
+        with mock.patch.dict(os.environ, rank_env), stop, RunWatcher(log_dir.parent, console, stop.started):
             elastic_launch(config, _worker)(recipe)
     except ChildFailedError as e:
         if stop.name:  # a rank killed by a second signal, or one that was still starting
