@@ -264,7 +264,11 @@ class CheckpointConfig:
     keep_latest: int = F(2, "keep only the newest K checkpoints; 0 keeps all" + NO_SAVE)
     async_save: bool = F(False, "write checkpoints in the background (dcp.async_save)" + NO_SAVE)
     save_at_end: bool = F(True, "save after the last step" + NO_SAVE)
-    load: Optional[str] = F(None, "resume from 'latest' (this run's newest, if any) or a checkpoint path")
+    load: Optional[str] = F(
+        None,
+        "resume from 'auto' (this run's newest checkpoint if any, else a fresh start: for requeued jobs), "
+        "'latest' (its newest, which must exist) or a checkpoint path",
+    )
     init_from: Optional[str] = F(None, "initial weights from a seed checkpoint (`meshforge init`), any mesh")
     init_from_hf: Optional[str] = F(
         None,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
 
+from meshforge.core.errors import CheckpointNotFound
 from meshforge.run.checkpoint.dcp import committed, resolve_load
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
@@ -159,7 +160,10 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
         assert resolve_load("latest", tmp_path) == tmp_path / "step-00000005"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert resolve_load("latest", tmp_path / "nothing-here") is None
+        assert resolve_load("auto", tmp_path) == tmp_path / "step-00000005"
+        assert resolve_load("auto", tmp_path / "nothing-here") is None  # a requeued job's fresh start
+        with pytest.raises(CheckpointNotFound, match="checkpoint.load=auto"):
+            resolve_load("latest", tmp_path / "nothing-here")  # asked to resume: there must be one
         with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
             resolve_load(str(tmp_path / "nothing-here"), tmp_path)
 
@@ -209,12 +213,97 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "stopped by a signal" in err
+    assert proc.returncode == 130 and "stopped by SIGTERM after step" in err and "Traceback" not in err
     saved = committed(tmp_path / "term" / "checkpoints")
     assert len(saved) == 1
     step = json.loads((saved[0] / "meta.json").read_text())["step"]
     assert step == read_metrics(tmp_path / "term")[-1]["step"]  # saved the last completed step
     assert json.loads((tmp_path / "term" / "run.json").read_text())["status"] == "preempted"
+
+
+# sitecustomize: rank 0 kills itself (SIGKILL: nothing flushed or closed) before the step given
+KILL_RANK0_BEFORE_STEP = """
+import os, signal
+import meshforge.run.train.trainer as t
+original = t.Trainer.train_step
+def step(self):
+    if os.environ.get("RANK") == "0" and self.state.step + 1 == int(os.environ["MESHFORGE_TEST_KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self)
+t.Trainer.train_step = step
+"""
+
+
+def _steps_in_every_record(run_dir: Path) -> dict[str, list[int]]:
+    """The steps each record holds, as a user's tools read them: metrics.jsonl, TensorBoard's
+    event files (EventAccumulator, which applies purges) and W&B's offline run files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshforge.run.observe import wandb_files as wf
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {
+        "jsonl": [r["step"] for r in read_metrics(run_dir)],
+        "tensorboard": sorted(e.step for e in acc.Scalars("loss")),
+        "wandb": sorted(h["step"] for h in wf.history(wf.run_files(run_dir)) if "loss" in h),
+    }
+
+
+@pytest.mark.slow
+def test_a_requeued_run_killed_twice_ends_with_every_step_once_in_every_record(tmp_path):
+    """The Slurm requeue recipe: the same command (checkpoint.load=auto) after rank 0 is killed
+    hard at step 5 (after the step-3 checkpoint) and at step 8 (after step 6's, resumed from 3)."""
+    loggers = ["logging.tensorboard=true", "logging.wandb=true", "logging.log_every=1"]
+    ckpt = ["checkpoint.enabled=true", "checkpoint.interval=3", "checkpoint.load=auto"]
+    args = _args(tmp_path, "requeued", "mesh.dp_shard=2", *loggers, *ckpt)
+    run_dir = tmp_path / "requeued"
+    hook = _hook_env(tmp_path, KILL_RANK0_BEFORE_STEP)
+    for kill_at, resumed_from in ((5, None), (8, "step-00000003")):
+        proc = run_cli(
+            args, cwd=tmp_path, env={**hook, "WANDB_MODE": "offline", "MESHFORGE_TEST_KILL_AT": str(kill_at)}
+        )
+        assert proc.returncode == 1 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
+        assert [r["step"] for r in read_metrics(run_dir)][-1] == kill_at - 1
+        info = json.loads((run_dir / "run.json").read_text())
+        assert (info["resumed_from"] or "").endswith(resumed_from or "") and info["status"] == "failed"
+    run_id = info["run_id"]
+    proc = run_cli(args, cwd=tmp_path, env=cli_env(WANDB_MODE="offline"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["resumed_from"].endswith("step-00000006") and info["run_id"] == run_id
+    assert _steps_in_every_record(run_dir) == {
+        k: list(range(1, 11)) for k in ("jsonl", "tensorboard", "wandb")
+    }
+    assert [p.name for p in committed(run_dir / "checkpoints")][-1] == "step-00000010"
+
+    # a plain rerun (no checkpoint.load) of this folder is refused, naming the fix, and keeps it all
+    plain = [a for a in args if a != "checkpoint.load=auto"]
+    proc = run_cli(plain, cwd=tmp_path)
+    assert proc.returncode == 2 and "checkpoint.load=auto" in proc.stderr, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 11))
+    assert not list(tmp_path.glob("requeued.*"))  # nothing set aside
+
+
+@pytest.mark.slow
+def test_auto_before_any_checkpoint_starts_afresh_and_keeps_each_step_once(tmp_path):
+    """A requeued job whose first attempt died before any checkpoint: the same command starts
+    from step 0 again, its records cut back to nothing (not [1, 2, 3, 1, 2, 3]), same run id."""
+    ckpt = ["checkpoint.enabled=true", "checkpoint.interval=100", "checkpoint.save_at_end=false"]
+    args = _args(
+        tmp_path, "early", "train.steps=3", "logging.tensorboard=true", *ckpt, "checkpoint.load=auto"
+    )
+    run_dir = tmp_path / "early"
+    runs = []
+    for _ in range(2):
+        proc = run_cli(args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads((run_dir / "run.json").read_text()))
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert runs[1]["run_id"] == runs[0]["run_id"] and runs[1]["resumed_from"] is None
+    assert _steps_in_every_record(run_dir)["tensorboard"] == [1, 2, 3]
+    proc = run_cli([*args[:-1], "checkpoint.load=latest"], cwd=tmp_path)  # resuming needs a checkpoint
+    assert proc.returncode == 2 and "checkpoint.load=auto" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_unwritable_checkpoint_folder_fails_before_training(tmp_path):

@@ -125,3 +125,22 @@ def test_estimate_every_mesh_of_a_world(tmp_path):
     assert "7.48" in lines["dp8-tp2"] and "yes" in lines["dp8-tp2"]  # 16 B/param / 16 shards of 8.03B
     assert "119.66" in lines["dprep16"] and "no" in lines["dprep16"]  # replicas shard nothing
     assert "pp16: refused: " in proc.stdout  # refusals are listed under the table, with the reason
+
+
+def test_a_stopped_rank_exits_130_and_only_rank_0_says_why(monkeypatch, capsys):
+    """Under torchrun every rank of a preempted run raises Interrupted: each exits 130, and the
+    terminal gets the one line once (from rank 0), with no `error:` prefix and no traceback."""
+    from meshforge.cli import main
+    from meshforge.core.errors import Interrupted
+
+    line = "stopped by SIGTERM after step 3; checkpoint saved in c/step-00000003; resume: ..."
+
+    def stopped(args):
+        raise Interrupted(line)
+
+    said = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert main(stopped, None) == 130
+        said[rank] = capsys.readouterr().err.strip()
+    assert said == {"0": line, "1": ""}

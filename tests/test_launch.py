@@ -1,8 +1,11 @@
-"""Launching: a failing rank ends the whole job promptly; torchrun across two "nodes" works."""
+"""Launching: a failing rank ends the whole job promptly; torchrun across two "nodes" works; a
+preempted job (SIGTERM, Ctrl-C) stops cleanly with one line and exit 130."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,3 +104,66 @@ def test_two_torchrun_agents_make_one_job(tmp_path):
     info = json.loads((tmp_path / "two_nodes" / "run.json").read_text())
     assert info["world_size"] == 4 and info["status"] == "finished"
     assert [r["step"] for r in read_metrics(tmp_path / "two_nodes")] == [1, 2, 3, 4, 5]
+
+
+def _wait_for_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout: float = 900) -> None:
+    """Wait (up to `timeout`) until `run_dir` has logged `rows` steps; fail if the run ended first."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= rows):
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before logging {rows} steps"
+        assert time.monotonic() < deadline, f"no {rows} steps logged in {timeout} s"
+        time.sleep(0.2)
+
+
+def _stop_and_check(proc: subprocess.Popen, run_dir: Path, name: str) -> int:
+    """The stopped run: exit 130, one line (the signal, the step, the checkpoint, how to resume),
+    no traceback or torch warning; run.json preempted; the checkpoint of the last step on disk."""
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    step = read_metrics(run_dir)[-1]["step"]
+    checkpoint = run_dir / "checkpoints" / f"step-{step:08d}"
+    assert err.strip().splitlines() == [
+        f"stopped by {name} after step {step}; checkpoint saved in {checkpoint}; resume: the same "
+        "command with checkpoint.load=auto"
+    ]
+    assert json.loads((checkpoint / "meta.json").read_text())["step"] == step  # committed
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "preempted"
+    return step
+
+
+def test_sigterm_then_ctrl_c_stop_8_ranks_with_a_checkpoint_one_line_and_exit_130(tmp_path):
+    """SIGTERM to the launcher only (as Kubernetes sends it), then, on the resumed run, SIGINT to
+    the whole process group (Ctrl-C): every rank stops at the end of its step and saves."""
+    args = [
+        str(RECIPES / "debug_cpu.toml"),
+        *QUICK,
+        "train.steps=100000",
+        "checkpoint.enabled=true",
+        "checkpoint.interval=100000",
+        "checkpoint.save_at_end=false",
+        "checkpoint.load=auto",
+        f"output_dir={tmp_path}",
+        "run_name=pre",
+    ]
+    run_dir, exe = tmp_path / "pre", Path(sys.executable).parent / "run_recipe"
+
+    def start() -> subprocess.Popen:
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        return subprocess.Popen(
+            [str(exe), *args], cwd=tmp_path, env=cli_env(), start_new_session=True, **pipes
+        )
+
+    proc = start()
+    _wait_for_rows(run_dir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    first = _stop_and_check(proc, run_dir, "SIGTERM")
+    assert json.loads((run_dir / "run.json").read_text())["world_size"] == 8
+
+    proc = start()  # the same command resumes from that checkpoint
+    _wait_for_rows(run_dir, first + 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the job
+    second = _stop_and_check(proc, run_dir, "SIGINT")
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["resumed_from"] == str(run_dir / "checkpoints" / f"step-{first:08d}")
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, second + 1))  # each step once

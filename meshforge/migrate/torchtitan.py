@@ -300,7 +300,7 @@ def _checkpoint(k: Keys, out: Imported) -> None:
     out.set("checkpoint.keep_latest", c("keep_latest_k", 10))
     out.set("checkpoint.async_save", c("async_mode", "disabled") != "disabled")
     if enabled:
-        out.set("checkpoint.load", "latest")  # TorchTitan resumes from its folder when it holds a checkpoint
+        out.set("checkpoint.load", "auto")  # TorchTitan resumes from its folder when it holds a checkpoint
     path, in_hf = c("initial_load_path", None), c("initial_load_in_hf", False)
     if path is not None:
         if in_hf:

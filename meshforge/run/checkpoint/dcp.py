@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from meshforge.configs.schema import CheckpointConfig, ModelConfig
-from meshforge.core.errors import CheckpointError, CheckpointNotFound
+from meshforge.core.errors import CheckpointError, CheckpointNotFound, Problem, RecipeError
 from meshforge.core.units import GiB
 from meshforge.interop.weights import hf_reader_for, load_into
 from meshforge.models import args_from_config, get_model_spec
@@ -114,10 +114,16 @@ def committed(folder: Path) -> list[Path]:
 
 
 def resolve_load(spec: str, folder: Path, field: str = "checkpoint.load") -> Path | None:
-    """`latest` -> newest complete checkpoint in `folder` (None if there is none yet);
-    a path -> that checkpoint, or the newest complete one inside it."""
-    if spec == "latest":
+    """`auto` -> newest complete checkpoint in `folder`, or None (a fresh start: what a requeued
+    job needs); `latest` -> the newest, which must exist; a path -> that checkpoint, or the newest
+    complete one inside it."""
+    if spec in ("auto", "latest"):
         found = committed(folder)
+        if not found and spec == "latest":
+            raise CheckpointNotFound(
+                f"checkpoint.load = 'latest': no complete checkpoint in {folder} yet; use "
+                "checkpoint.load=auto to start afresh when there is none (e.g. a requeued job)"
+            )
         return found[-1] if found else None
     path = Path(spec)
     if path.is_file():
@@ -131,9 +137,21 @@ def resolve_load(spec: str, folder: Path, field: str = "checkpoint.load") -> Pat
     if not found:
         raise CheckpointNotFound(
             f"{field} = {spec!r}: no complete checkpoint there; "
-            "use 'latest' or a step-NNNNNNNN folder with meta.json"
+            "use 'auto', 'latest' or a step-NNNNNNNN folder with meta.json"
         )
     return found[-1]
+
+
+def refuse_unresumed(cfg: CheckpointConfig, run_dir: Path) -> None:
+    """A rerun without `checkpoint.load` of a run whose folder holds checkpoints is refused: it
+    would start from step 0 beside them (or set them aside); resuming is `checkpoint.load=auto`."""
+    found = committed(checkpoint_folder(cfg, run_dir)) if cfg.load is None else []
+    if found:
+        problem = (
+            f"{found[-1]} exists: resume from it with checkpoint.load=auto (then the same command "
+            "resumes every time, as a requeued job needs), or start afresh under another run_name"
+        )
+        raise RecipeError([Problem("checkpoint.load", None, problem)])
 
 
 def read_meta(path: Path) -> dict:
@@ -201,10 +219,13 @@ class Checkpointer:
         self, parts: list[nn.Module], model_args, loader, schedulers: list, scaler: LossScaler
     ) -> dict | None:
         """Resume from `checkpoint.load` (model, optimizer, data position, LR schedule, fp16 loss
-        scale, on any mesh) and return {path, step, run_id}; else load seed weights (`init_from`, or
+        scale, on any mesh) and return {path, step, run_id} (`auto` with no checkpoint yet: step 0,
+        no path); else load seed weights (`init_from`, or
         `init_from_hf` with each rank reading only its shards) and return None."""
         c = self.cfg
         path = resolve_load(c.load, self.folder) if c.load else None
+        if c.load == "auto" and path is None:  # a fresh start that still continues this run's records
+            return {"path": None, "step": 0, "run_id": None}
         if path is not None:
             meta = self.load(path)
             loader.restore_from(meta)

@@ -2,13 +2,20 @@
 
 Under torchrun (one node or many, e.g. from Slurm) nothing is launched here: torchrun is
 the distributed engine and each of its workers calls `train` directly.
+
+SIGTERM (Slurm, Kubernetes) or Ctrl-C is not torch's to handle here (its agent would kill the
+ranks after 30 s, mid-save, and raise a SignalException): this process passes the signal on, the
+ranks stop together at the end of their step and save, and the run ends with one line, exit 130.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import time
 import uuid
@@ -20,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
-from meshforge.core.errors import LaunchFailed
+from meshforge.core.errors import Interrupted, LaunchFailed
 from meshforge.core.logs import LOG_LEVEL_ENV, log_level_name
 from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
 from meshforge.run.observe.console import RunConsole
@@ -64,7 +71,45 @@ def _quiet_rank_failures():
 
 @record
 def _worker(recipe: Recipe) -> None:
-    train(recipe)
+    try:
+        train(recipe)
+    except Interrupted:  # stopped and saved as asked: a clean exit, so torch waits for every rank
+        pass
+
+
+class ForwardStop:
+    """SIGTERM/SIGINT to the launcher go to every rank (Kubernetes signals only the launcher);
+    a second one kills them (what is committed stays: checkpoints are renamed once complete)."""
+
+    def __init__(self, started: float):
+        self.started, self.name = started, None
+
+    def __enter__(self) -> ForwardStop:
+        self._previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _forward(self, signum, frame) -> None:
+        again, self.name = self.name is not None, self.name or signal.Signals(signum).name
+        ranks = multiprocessing.active_children()  # the elastic agent's spawned ranks
+        if not ranks:  # none started yet: start none
+            raise Interrupted(f"stopped by {self.name} before training started: nothing saved")
+        for rank in ranks:
+            os.kill(rank.pid, signal.SIGKILL if again else signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def interrupted(self, run_json: Path) -> Interrupted:
+        """The ranks' own line (run.json's error) when their loop stopped; else they were still
+        starting, and the record says so."""
+        info = json.loads(run_json.read_text()) if run_json.is_file() else {}
+        ours = info.get("start_time", 0) >= self.started  # not an earlier attempt's record
+        if ours and info.get("status") == "preempted" and info.get("error"):
+            return Interrupted(info["error"].removeprefix(f"{Interrupted.__name__}: "))
+        message = f"stopped by {self.name} before training started: nothing saved"
+        mark_failed(run_json, message, status="preempted")
+        return Interrupted(message)
 
 
 def launch_local(recipe: Recipe, nproc: int) -> None:
@@ -84,19 +129,24 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ForwardStop's
     )
     # the ranks inherit this process's environment (restored after): this process owns the
     # terminal, and the ranks log at its level
     rank_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
     console = RunConsole(enabled=recipe.logging.progress)
+    stop = ForwardStop(started=time.time())
     try:
         with (
             mock.patch.dict(os.environ, rank_env),
-            RunWatcher(log_dir.parent, console, started=time.time()),
+            stop,
+            RunWatcher(log_dir.parent, console, stop.started),
             _quiet_rank_failures(),
         ):
             elastic_launch(config, _worker)(recipe)
     except ChildFailedError as e:
+        if stop.name:  # a rank killed by a second signal, or one that was still starting
+            raise stop.interrupted(log_dir.parent / "run.json") from None
         first_rank, failure = e.get_first_failure()
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         mark_failed(log_dir.parent / "run.json", f"rank {first_rank}: {message or failure.exitcode}")
@@ -104,3 +154,5 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
             f"rank {first_rank} failed (exit code {failure.exitcode}): {message or 'see its log'}; "
             f"logs in {log_dir}"
         ) from None
+    if stop.name:
+        raise stop.interrupted(log_dir.parent / "run.json")

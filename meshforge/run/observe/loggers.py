@@ -56,6 +56,9 @@ class BaseLogger:
     def log_summary(self, summary: dict[str, Any]) -> None:
         """The run's summary, at its end."""
 
+    def flush(self) -> None:
+        """Make what was logged durable (at a checkpoint: a run killed later resumes from there)."""
+
     def close(self) -> None:
         """Flush and release what the logger holds."""
 
@@ -92,7 +95,7 @@ class TensorBoardLogger(BaseLogger):
         self.path = run_dir / "tensorboard"
         # the writer's own thread also flushes every 30 s; a flush per step costs a file sync
         self._w = SummaryWriter(
-            log_dir=str(self.path), purge_step=resume_step + 1 if resume_step else None, flush_secs=30
+            log_dir=str(self.path), purge_step=None if resume_step is None else resume_step + 1, flush_secs=30
         )
         self.flush_every, self._unflushed = flush_every, 0
 
@@ -116,6 +119,10 @@ class TensorBoardLogger(BaseLogger):
         if self._unflushed >= self.flush_every:
             self._w.flush()
             self._unflushed = 0
+
+    def flush(self) -> None:
+        self._w.flush()
+        self._unflushed = 0
 
     def log_figure(self, name: str, fig, step: int) -> None:
         self._w.add_figure(name, fig, step, close=False)
@@ -290,6 +297,10 @@ class LoggerContainer(BaseLogger):
         metrics = {WALL_CLOCK: time.time(), **metrics}
         for logger in self.loggers:
             logger.log(metrics, step)
+
+    def flush(self) -> None:
+        for logger in self.loggers:
+            logger.flush()
 
     def log_figure(self, name: str, fig, step: int) -> None:
         for logger in self.loggers:

@@ -28,11 +28,11 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only records up to `last_step`, so a resumed run logs every step exactly once."""
     if not path.is_file():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= last_step
-    ]
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()  # a line a hard-killed run was writing
+    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
@@ -158,6 +158,14 @@ def summarize(st: RunState, tp: Throughput, loss_floor: float | None = None) -> 
     return out
 
 
+def _earlier_run_id(run_json: Path) -> str | None:
+    """The run id of the records a run continues (`checkpoint.load=auto` before any checkpoint)."""
+    try:
+        return json.loads(run_json.read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
 class RunRecord:
     """`<run>/run.json` from start to end. Opened by the one process that logs (rank 0)."""
 
@@ -176,7 +184,9 @@ class RunRecord:
             **info.pop("versions", {}),
         }
         self.info = {
-            "run_id": resumed.get("run_id") or f"{run_name}-{uuid.uuid4().hex[:8]}",
+            "run_id": resumed.get("run_id")
+            or (resumed and _earlier_run_id(self.path))
+            or f"{run_name}-{uuid.uuid4().hex[:8]}",
             "resumed_from": resumed.get("path"),
             "run_name": run_name,
             "status": "running",
@@ -203,13 +213,13 @@ class RunRecord:
         self.write()
 
 
-def mark_failed(run_json: Path, error: str) -> None:
+def mark_failed(run_json: Path, error: str, status: str = "failed") -> None:
     """Close the record of a run whose rank 0 was stopped mid-collective (the launcher knows
-    which rank failed first)."""
+    which rank failed first), or by a signal before its loop could stop it (`preempted`)."""
     if not run_json.is_file():
         return
     info = json.loads(run_json.read_text())
-    if info.get("status") != "finished":
+    if info.get("status") not in ("finished", "preempted"):
         info.setdefault("end_time", time.time())
-        info.update(status="failed", error=error)
+        info.update(status=status, error=error)
         write_json_atomic(run_json, info)

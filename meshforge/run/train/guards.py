@@ -4,8 +4,9 @@ non-finite steps it may skip."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
-from meshforge.core.errors import NonFiniteLoss
+from meshforge.core.errors import Interrupted, NonFiniteLoss
 
 
 class StopSignals:
@@ -14,6 +15,7 @@ class StopSignals:
 
     def __init__(self):
         self.requested = False
+        self.name = "a signal to another rank"  # the flag may reach this rank only through the reduce
 
     def __enter__(self) -> StopSignals:
         self._previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -21,6 +23,18 @@ class StopSignals:
 
     def _request(self, signum, frame) -> None:
         self.requested = True
+        self.name = signal.Signals(signum).name
+
+    def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
+        """The one line a stopped run ends with: what stopped it, where, and how to resume."""
+        if checkpoint is None:
+            return Interrupted(
+                f"stopped by {self.name} after step {step}; checkpoint.enabled is false: nothing saved"
+            )
+        return Interrupted(
+            f"stopped by {self.name} after step {step}; checkpoint saved in {checkpoint}; resume: the same "
+            "command with checkpoint.load=auto"
+        )
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():

@@ -110,10 +110,6 @@ class TrainingRun:
     def latest_checkpoint(self) -> Path | None:
         return None
 
-    def resume_hint(self) -> str:
-        """What a stopped run says about resuming."""
-        return ""
-
     def oom_report(self, error: BaseException, step: int) -> str:
         """The message of an out-of-memory at `step` (and any report written beside the records)."""
         return f"out of memory at step {step}: {error}"
@@ -170,7 +166,8 @@ class TrainingRun:
                 self._record(step, result, now - step_end, saved_s)
                 step_end = now
             if result.stop:
-                raise Interrupted(f"stopped by a signal after step {step}" + self.resume_hint())
+                self.finish()  # an async save of this step is committed before the run ends
+                raise self.stop.interrupted(step, self.latest_checkpoint() if saved_s is not None else None)
 
     def _record(self, step: int, result: StepResult, seconds: float, checkpoint_s: float | None) -> None:
         """Count the step's time for the summary (steady or excluded, and why) and log it."""
@@ -193,6 +190,8 @@ class TrainingRun:
             if self.loggers is not None:
                 self.loggers.log(metrics, step)
             self.console.update(step, metrics)
+        if checkpoint_s is not None and self.loggers is not None:
+            self.loggers.flush()  # a run killed later resumes from this checkpoint: its records up to it stay
 
     def _read_losses(self) -> None:
         """The losses since the last logging step, read on the host now (for the summary)."""

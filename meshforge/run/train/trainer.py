@@ -169,11 +169,6 @@ class Trainer(TrainingRun):
     def latest_checkpoint(self) -> Path | None:
         return self.checkpointer.latest()
 
-    def resume_hint(self) -> str:
-        return (
-            "; checkpoint saved, resume with checkpoint.load=latest" if self.recipe.checkpoint.enabled else ""
-        )
-
     def finish(self) -> None:
         self.checkpointer.wait()
 
