@@ -36,7 +36,33 @@ def test_the_seeds_example_pipeline_fp16_zero0(tmp_path):
     assert r.train.max_norm == 0.0  # DeepSpeed's default: no clipping (meshforge's is 1.0)
     assert r.lr_scheduler.decay == "constant" and r.lr_scheduler.warmup_steps == 0  # no scheduler: constant
     assert "ZeRO 0 -> plain data parallel" in text and "hysteresis = 2" in text
-    assert not imported.unsupported and not imported.not_mapped
+    assert not imported.unsupported and [s.key for s in imported.not_mapped] == ["pipeline.stage_id"]
+
+
+@pytest.mark.parametrize(
+    "name,world,not_mapped",
+    [
+        # the seeds' file as they wrote it: `stage_id` names the process's own stage
+        ("seeds_pipeline_fp16.json", 3, "pipeline.stage_id = 0: this process's stage: meshforge derives"),
+        # DeepSpeedExamples' pipeline tutorial (training/pipeline_parallelism/ds_config.json, verbatim)
+        ("deepspeedexamples_pipeline_ds_config.json", 2, "wall_clock_breakdown = False: a DeepSpeed profiler"),
+    ],
+)
+def test_the_deepspeed_pipeline_examples_import_as_written_through_the_cli(tmp_path, name, world, not_mapped):
+    proc = run_cli(
+        ["import-config", str(DS / name), f"--world={world}", "--model=llama3:debug", "--out=x.toml"],
+        cwd=tmp_path,
+        program="meshforge",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = proc.stdout.split("not mapped (no effect on the math here):")[1].split("recipe:")[0]
+    assert not_mapped in listed and "UNSUPPORTED" not in proc.stdout
+    r = load_recipe(tmp_path / "x.toml", world_size=world)
+    if name.startswith("seeds"):
+        assert (r.mesh.pp, r.pp.microbatches, r.train.global_batch_size) == (3, 8, 32)
+    else:  # no stages in the file (the tutorial passes them to PipelineModule): data parallel over 2
+        assert (r.mesh.pp, r.mesh.dp_replicate, r.train.grad_accum_steps) == (1, 2, 16)
+        assert (r.train.global_batch_size, r.train.micro_batch_size, r.optimizer.lr) == (256, 8, 1e-3)
 
 
 def test_zero_stages_offload_optimizers_and_schedules_map(tmp_path):

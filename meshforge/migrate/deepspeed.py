@@ -15,6 +15,7 @@ DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float3
 DIVIDE = "when DeepSpeed divides by dp: meshforge divides the loss by the global token count"
 NOT_MAPPED = {
     "zero_optimization": "a ZeRO tuning knob (buckets, prefetch, persistence, saving): FSDP2 has its own",
+    "pipeline.stage_id": "this process's stage: meshforge derives each rank's stage from its mesh coordinate",
     "pipeline.seed_layers": "layer seeding: meshforge draws every weight from (seed, name) on any layout",
     "pipeline.pipe_partitioned": "DeepSpeed's activation-transfer optimization",
     "pipeline.grad_partitioned": "DeepSpeed's activation-transfer optimization",
