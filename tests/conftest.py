@@ -52,7 +52,7 @@ QUICK = [
 ]
 
 
-EXTRAS = ("jax", "optax", "orbax.checkpoint", "transformers", "torchtitan", "datasets")
+EXTRAS = ("jax", "optax", "orbax.checkpoint", "transformers", "torchtitan", "datasets", "deepspeed")
 
 
 def pytest_sessionstart(session):

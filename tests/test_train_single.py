@@ -64,7 +64,9 @@ def test_metrics_jsonl_has_every_step_and_key(trained):
     assert (
         rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1
     )  # against this CPU's measured matmul rate
-    assert rows[9]["lr"] == pytest.approx(3e-3)  # end of warmup (10 steps) reaches the peak lr
+    recipe = json.loads((trained[0] / "run.json").read_text())["recipe"]
+    warmup, peak = recipe["lr_scheduler"]["warmup_steps"], recipe["optimizer"]["lr"]
+    assert rows[warmup - 2]["lr"] < peak and rows[warmup - 1]["lr"] == pytest.approx(peak)  # end of warmup
     assert rows[-1]["lr"] < rows[50]["lr"]  # cosine decay
 
 
