@@ -4,14 +4,12 @@ that did not map, and refuse what meshforge cannot do with exit 2 and no file wr
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import tomllib
 from conftest import REPO, read_metrics, run_cli
 
-from meshforge.configs import RecipeError
 from meshforge.core.errors import UsageError
 from meshforge.migrate import ImportRefused, import_config
 from meshforge.models import args_from_config
@@ -366,35 +364,6 @@ def test_deepspeed_schedules_import_exactly_lr_of_every_step(tmp_path, name):
     theirs = _lrs_of_steps(o := opt(3e-3), getattr(ds, sched["type"])(o, **sched["params"]), steps)
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-18)
     assert len(set(theirs)) > 1  # the schedule moves (not a constant compared with itself)
-
-
-def test_deepspeed_convention_by_hand():
-    """DeepSpeed's formulas at hand-computed points (deepspeed/runtime/lr_schedules.py, 0.19):
-    step s runs at iteration i = s - 1; W = max(2, warmup_steps)."""
-    from meshforge.configs.schema import LRSchedulerConfig
-    from meshforge.run.train.optim import lr_multiplier
-
-    cos = LRSchedulerConfig(warmup_steps=4, warmup_shape="log", decay="cosine", min_lr_ratio=0.0)
-    cos.convention = "deepspeed"
-    got = [lr_multiplier(s, 10, cos) for s in range(12)]
-    # i=-1: WarmupCosineLR's 0; i=0..3: log(i+1)/log(4); i=4..: (1 + cos(pi (i-3)/6)) / 2, then 0
-    want = [0.0, 0.0, 0.5, math.log(3) / math.log(4), 1.0, 0.9330127019, 0.75, 0.5, 0.25, 0.0669872981]
-    assert got == pytest.approx(want + [0.0, 0.0], abs=1e-9)
-    lin = LRSchedulerConfig(warmup_steps=1, warmup_start=0.2, decay="linear", min_lr_ratio=0.2)
-    lin.convention = "deepspeed"
-    # W = 2 (not 1): i=-1 and 0 at the min, i=1 halfway; then (T - i) / (T - W) of the way down from the peak
-    got = [lr_multiplier(s, 6, lin) for s in range(9)]
-    assert got == pytest.approx([0.2, 0.2, 0.6, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
-    # TorchTitan's convention is unchanged: (s+1)/W, then decay from step W
-    tt = LRSchedulerConfig(warmup_steps=2, decay="linear", min_lr_ratio=0.0)
-    assert [lr_multiplier(s, 4, tt) for s in range(5)] == [0.5, 1.0, 1.0, 0.5, 0.0]
-
-
-def test_a_log_warmup_outside_deepspeed_s_convention_is_refused():
-    overrides = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "lr_scheduler.warmup_shape=log"]
-    with pytest.raises(RecipeError) as e:
-        load_recipe(REPO / "recipes" / "debug_cpu.toml", overrides, world_size=1)
-    assert "lr_scheduler.warmup_shape = 'log'" in str(e.value) and "convention=deepspeed" in str(e.value)
 
 
 def test_torchtitan_validation_maps_to_the_eval_loop(tmp_path):
