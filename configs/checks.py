@@ -50,6 +50,8 @@ def check_enums(r: Recipe) -> list[Problem]:
     choices = {
         "train.device": (r.train.device, ("auto", "cpu", "cuda")),
         "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
+        "lr_scheduler.warmup_shape": (r.lr_scheduler.warmup_shape, ("linear", "log")),
+        "lr_scheduler.convention": (r.lr_scheduler.convention, ("torchtitan", "deepspeed")),
         "activation_checkpoint.mode": (r.activation_checkpoint.mode, ("none", "full", "selective")),
         "data.source": (r.data.source, ("synthetic", "files", "hf")),
         "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
@@ -219,6 +221,20 @@ def check_ranges(r: Recipe) -> list[Problem]:
         ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, "must be >= 0"),
         ("lr_scheduler.warmup_steps", s.warmup_steps, 0 <= s.warmup_steps, "must be >= 0"),
         ("lr_scheduler.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("lr_scheduler.warmup_start", s.warmup_start, 0 <= s.warmup_start <= 1, "must be in [0, 1]"),
+        (
+            "lr_scheduler.warmup_shape",
+            s.warmup_shape,
+            s.warmup_shape != "log" or s.convention == "deepspeed",
+            "the log warmup is DeepSpeed's formula on DeepSpeed's step count: set "
+            "lr_scheduler.convention=deepspeed, or warmup_shape=linear",
+        ),
+        (
+            "lr_scheduler.warmup_steps",
+            s.warmup_steps,
+            s.convention != "deepspeed" or s.warmup_steps >= 1,
+            "DeepSpeed's schedules warm up for at least 1 step (2 in effect): set it >= 1",
+        ),
         ("logging.log_every", lg.log_every, lg.log_every > 0, "must be > 0"),
         ("logging.warmup_steps", lg.warmup_steps, lg.warmup_steps >= 0, "must be >= 0"),
         ("logging.flush_every", lg.flush_every, lg.flush_every > 0, "must be > 0"),

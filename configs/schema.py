@@ -154,10 +154,19 @@ class OptimizerConfig:
 
 @dataclass
 class LRSchedulerConfig:
-    warmup_steps: int = F(0, "linear warmup steps from 0 to lr")
+    warmup_steps: int = F(0, "warmup steps from warmup_start to lr")
+    warmup_shape: str = F(
+        "linear", "how the lr rises in warmup: linear | log (DeepSpeed's default; needs convention=deepspeed)"
+    )
+    warmup_start: float = F(0.0, "the lr warmup starts from, as a fraction of the peak lr")
     decay: str = F("cosine", "decay after warmup: cosine | linear | constant")
     min_lr_ratio: float = F(
         0.1, "final lr as a fraction of the peak lr; unread with decay = constant (the lr stays at its peak)"
+    )
+    convention: str = F(
+        "torchtitan",
+        "step arithmetic: torchtitan (step s from 0 warms up to (s+1)/W, decays from step W) | deepspeed "
+        "(WarmupLR, WarmupDecayLR, WarmupCosineLR exactly: step s at DeepSpeed's iteration s-1)",
     )
 
 

@@ -1,11 +1,18 @@
-"""The optimizer the trainer builds: fused AdamW where torch has the kernel, the fallbacks and why."""
+"""The optimizer the trainer builds: fused AdamW where torch has the kernel, the fallbacks and why;
+and the lr schedule's two conventions (TorchTitan's and DeepSpeed's)."""
 
 from __future__ import annotations
 
-import torch
+import math
 
-from meshforge.configs.schema import OptimizerConfig
-from meshforge.run.train.optim import build_optimizer, fused_unavailable
+import pytest
+import torch
+from conftest import RECIPES
+
+from meshforge.configs import RecipeError
+from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
+from meshforge.recipe import load_recipe
+from meshforge.run.train.optim import build_optimizer, fused_unavailable, lr_multiplier
 
 
 def test_adamw_is_fused_where_torch_has_the_kernel_and_says_why_not_elsewhere(caplog):
@@ -60,3 +67,29 @@ def test_dtensors_mixed_with_plain_parameters_fall_back_from_fused(caplog):
         assert fused_unavailable(params[:1]) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_deepspeed_convention_by_hand():
+    """DeepSpeed's formulas at hand-computed points (deepspeed/runtime/lr_schedules.py, 0.19):
+    step s runs at iteration i = s - 1; W = max(2, warmup_steps)."""
+    cos = LRSchedulerConfig(warmup_steps=4, warmup_shape="log", decay="cosine", min_lr_ratio=0.0)
+    cos.convention = "deepspeed"
+    got = [lr_multiplier(s, 10, cos) for s in range(12)]
+    # i=-1: WarmupCosineLR's 0; i=0..3: log(i+1)/log(4); i=4..: (1 + cos(pi (i-3)/6)) / 2, then 0
+    want = [0.0, 0.0, 0.5, math.log(3) / math.log(4), 1.0, 0.9330127019, 0.75, 0.5, 0.25, 0.0669872981]
+    assert got == pytest.approx(want + [0.0, 0.0], abs=1e-9)
+    lin = LRSchedulerConfig(warmup_steps=1, warmup_start=0.2, decay="linear", min_lr_ratio=0.2)
+    lin.convention = "deepspeed"
+    # W = 2 (not 1): i=-1 and 0 at the min, i=1 halfway; then (T - i) / (T - W) of the way down from the peak
+    got = [lr_multiplier(s, 6, lin) for s in range(9)]
+    assert got == pytest.approx([0.2, 0.2, 0.6, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    # TorchTitan's convention is unchanged: (s+1)/W, then decay from step W
+    tt = LRSchedulerConfig(warmup_steps=2, decay="linear", min_lr_ratio=0.0)
+    assert [lr_multiplier(s, 4, tt) for s in range(5)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+
+
+def test_a_log_warmup_outside_deepspeed_s_convention_is_refused():
+    overrides = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "lr_scheduler.warmup_shape=log"]
+    with pytest.raises(RecipeError) as e:
+        load_recipe(RECIPES / "debug_cpu.toml", overrides, world_size=1)
+    assert "lr_scheduler.warmup_shape = 'log'" in str(e.value) and "convention=deepspeed" in str(e.value)

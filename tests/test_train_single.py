@@ -20,7 +20,7 @@ def trained(tmp_path_factory):
     env.pop("WANDB_MODE")
     env.pop("WANDB_API_KEY", None)
     proc = run_cli(
-        [str(RECIPES / "debug_cpu.toml"), *SINGLE, "train.steps=150", f"output_dir={out}", "run_name=learn"],
+        [str(RECIPES / "debug_cpu.toml"), *SINGLE, f"output_dir={out}", "run_name=learn"],
         cwd=out,
         env=env,
         timeout=300,
@@ -33,14 +33,15 @@ def test_loss_falls_to_near_the_source_floor(trained):
     run_dir, _ = trained
     rows = read_metrics(run_dir)
     floor = json.loads((run_dir / "run.json").read_text())["summary"]["loss_floor"]
-    first, last10 = rows[0]["loss"], sum(r["loss"] for r in rows[-10:]) / 10
+    first, last5 = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
     assert first > 5.0  # about log(256): it starts knowing nothing
-    assert last10 < floor + 0.3, (last10, floor)  # and ends close to what can be known
+    # the default run's own 30 steps (about two minutes on 8 processes) end close to what can be known
+    assert last5 < floor + 0.45 and (first - last5) / (first - floor) > 0.85, (first, last5, floor)
 
 
 def test_metrics_jsonl_has_every_step_and_key(trained):
     rows = read_metrics(trained[0])
-    assert [r["step"] for r in rows] == list(range(1, 151))
+    assert [r["step"] for r in rows] == list(range(1, 31))
     for key in (
         "loss",
         "grad_norm",
@@ -66,14 +67,16 @@ def test_metrics_jsonl_has_every_step_and_key(trained):
     assert (
         rows[-1]["tflops_per_device"] > 0 and 0 < rows[-1]["mfu"] < 1
     )  # against this CPU's measured matmul rate
-    assert rows[9]["lr"] == pytest.approx(3e-3)  # end of warmup (10 steps) reaches the peak lr
-    assert rows[-1]["lr"] < rows[50]["lr"]  # cosine decay
+    recipe = json.loads((trained[0] / "run.json").read_text())["recipe"]
+    warmup, peak = recipe["lr_scheduler"]["warmup_steps"], recipe["optimizer"]["lr"]
+    assert rows[warmup - 2]["lr"] < peak and rows[warmup - 1]["lr"] == pytest.approx(peak)  # end of warmup
+    assert rows[-1]["lr"] < rows[10]["lr"]  # cosine decay
 
 
 def test_run_json_records_recipe_versions_and_status(trained):
     info = json.loads((trained[0] / "run.json").read_text())
     assert info["status"] == "finished" and info["end_time"] >= info["start_time"]
-    assert info["recipe"]["train"]["steps"] == 150 and info["mesh"]["dp_shard"] == 1
+    assert info["recipe"]["train"]["steps"] == 30 and info["mesh"]["dp_shard"] == 1
     assert info["versions"]["torch"].startswith("2.") and info["n_params"] == 229_952
     assert info["summary"]["final_loss"] == read_metrics(trained[0])[-1]["loss"]
 
@@ -86,7 +89,7 @@ def test_summary_throughput_is_tokens_over_time_of_the_steady_steps(trained):
 
     run_dir, proc = trained
     rows, summary = read_metrics(run_dir), json.loads((run_dir / "run.json").read_text())["summary"]
-    assert summary["throughput_steps"] == {"counted": 148, "excluded": {"warmup": [1, 2]}}
+    assert summary["throughput_steps"] == {"counted": 28, "excluded": {"warmup": [1, 2]}}
     counted = rows[2:]
     tokens = sum(r["tokens_per_sec"] * r["step_time"] for r in counted)
     assert summary["tokens_per_sec"] == pytest.approx(tokens / sum(r["step_time"] for r in counted), rel=1e-6)
@@ -95,7 +98,7 @@ def test_summary_throughput_is_tokens_over_time_of_the_steady_steps(trained):
     )
     mean_of_rates = sum(r["tokens_per_sec"] for r in counted) / len(counted)
     assert summary["tokens_per_sec"] <= mean_of_rates  # the old average of rates overstated it
-    assert "over 148 steps (left out: warmup 1, 2)" in proc.stdout
+    assert "over 28 steps (left out: warmup 1, 2)" in proc.stdout
 
 
 def test_tensorboard_events_read_back(trained):
@@ -104,7 +107,7 @@ def test_tensorboard_events_read_back(trained):
     acc = EventAccumulator(str(trained[0] / "tensorboard"))
     acc.Reload()
     losses = acc.Scalars("loss")
-    assert [e.step for e in losses] == list(range(1, 151))
+    assert [e.step for e in losses] == list(range(1, 31))
     assert losses[-1].value == pytest.approx(read_metrics(trained[0])[-1]["loss"], rel=1e-6)
     assert "memory/rss_gib" in acc.Tags()["scalars"] and "time" not in acc.Tags()["scalars"]
     assert "recipe/text_summary" in acc.Tags()["tensors"]  # the resolved recipe as text
@@ -120,7 +123,7 @@ def test_wandb_went_offline_by_itself(trained):
 
 def test_terminal_shows_progress_and_summary(trained):
     out = trained[1].stdout
-    assert "loss floor" in out and "final loss" in out and "step 150/150" in out
+    assert "loss floor" in out and "final loss" in out and "step 30/30" in out
 
 
 def test_same_seed_same_losses_bit_for_bit(tmp_path):

@@ -7,6 +7,7 @@ clipping, Adam's betas (0.9, 0.999), weight decay 0): the import writes those ex
 from __future__ import annotations
 
 from meshforge.core.errors import UsageError
+from meshforge.migrate.deepspeed_lr import scheduler
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
 
@@ -15,6 +16,7 @@ DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float3
 DIVIDE = "when DeepSpeed divides by dp: meshforge divides the loss by the global token count"
 NOT_MAPPED = {
     "zero_optimization": "a ZeRO tuning knob (buckets, prefetch, persistence, saving): FSDP2 has its own",
+    "pipeline.stage_id": "this process's stage: meshforge derives each rank's stage from its mesh coordinate",
     "pipeline.seed_layers": "layer seeding: meshforge draws every weight from (seed, name) on any layout",
     "pipeline.pipe_partitioned": "DeepSpeed's activation-transfer optimization",
     "pipeline.grad_partitioned": "DeepSpeed's activation-transfer optimization",
@@ -139,7 +141,7 @@ def from_deepspeed(data: dict, world: int, block_weights: tuple[float, float]) -
     _zero(k, out, dp)
     _precision(k, out)
     _optimizer(k, out)
-    _scheduler(k, out)
+    scheduler(k, out)
     out.set("train.max_norm", float(k.take("gradient_clipping", 0.0)))  # DeepSpeed's default: no clipping
     if k.has("activation_checkpointing"):
         out.set("activation_checkpoint.mode", "full")
@@ -300,47 +302,6 @@ def _optimizer(k: Keys, out: Imported) -> None:
     out.set("optimizer.betas", [float(b) for b in k.take("optimizer.params.betas", [0.9, 0.999])])
     out.set("optimizer.eps", float(k.take("optimizer.params.eps", 1e-8)))
     out.set("optimizer.weight_decay", float(k.take("optimizer.params.weight_decay", 0.0)))
-
-
-def _scheduler(k: Keys, out: Imported) -> None:
-    kind = k.take("scheduler.type")
-    out.set("lr_scheduler.warmup_steps", 0)
-    if kind is MISSING:
-        out.set("lr_scheduler.decay", "constant")  # DeepSpeed without a scheduler: the optimizer's lr
-        return
-    p = lambda key, default: k.take(f"scheduler.params.{key}", default)  # noqa: E731
-    if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        out.refuse("scheduler.type", kind, "meshforge's schedules: warmup then constant, linear or cosine")
-        k.take("scheduler")
-        return
-    if (shape := p("warmup_type", "log")) != "linear":
-        out.refuse(
-            "scheduler.params.warmup_type",
-            shape,
-            "a log-shaped warmup (DeepSpeed's default): meshforge warms up linearly; set it to 'linear'",
-        )
-    steps = int(p("warmup_num_steps", 1000))
-    out.set("lr_scheduler.warmup_steps", steps)
-    if kind == "WarmupCosineLR":
-        if (start := p("warmup_min_ratio", 0.0)) != 0:
-            out.refuse("scheduler.params.warmup_min_ratio", start, "meshforge warms up from 0")
-        out.set("lr_scheduler.decay", "cosine")
-        out.set("lr_scheduler.min_lr_ratio", float(p("cos_min_ratio", 0.0001)))
-    else:
-        if (start := p("warmup_min_lr", 0.0)) != 0:
-            out.refuse("scheduler.params.warmup_min_lr", start, "meshforge warms up from 0")
-        out.set("optimizer.lr", float(p("warmup_max_lr", 0.001)))  # DeepSpeed's schedule sets the peak
-        out.set("lr_scheduler.decay", "constant" if kind == "WarmupLR" else "linear")
-        out.set("lr_scheduler.min_lr_ratio", 0.0)
-    if kind != "WarmupLR":
-        total = p("total_num_steps", MISSING)
-        if total is MISSING:
-            raise UsageError(f"scheduler {kind} needs params.total_num_steps (DeepSpeed requires it too)")
-        out.set("train.steps", int(total))
-    out.notes.append(
-        f"{kind}: lr at 0-indexed step s of the warmup is (s+1)/W of the peak here, s/W in DeepSpeed "
-        "(one step earlier)"
-    )
 
 
 def _monitors(k: Keys, out: Imported) -> None:

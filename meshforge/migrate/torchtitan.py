@@ -62,6 +62,7 @@ LLAMA3_FLAVORS = {
     ),
 }
 
+HELD_OUT = "TorchTitan's named datasets (c4_validation): point eval.path or eval.split at your copy"
 NOT_MAPPED = {
     "job.description": "a comment",
     "job.print_config": "use `run_recipe --print-config`",
@@ -98,7 +99,8 @@ NOT_MAPPED = {
     "comm": "collective timeouts and traces",
     "memory_estimation": "use `meshforge estimate`",
     "fault_tolerance": "TorchFT settings (fault_tolerance.enable is refused)",
-    "validation": "no eval loop in meshforge yet: validation is not run",
+    "validation.dataset": HELD_OUT,
+    "validation.dataset_path": HELD_OUT,
 }
 UNSUPPORTED = {"fault_tolerance.enable": "TorchFT", "experimental": "custom TorchTitan extensions"}
 
@@ -109,6 +111,7 @@ def from_torchtitan(data: dict, world: int | None, our_flavors: dict) -> Importe
     n_layers = _model(k, out, our_flavors)
     dp, pp_microbatch = _parallelism(k, out, world, n_layers)
     _training(k, out, dp, pp_microbatch)
+    _validation(k, out, dp)
     _optimizer_and_schedule(k, out)
     _checkpoint(k, out)
     _activation_checkpoint(k, out)
@@ -258,6 +261,40 @@ def _training(k: Keys, out: Imported, dp: int, pp_microbatch: int | None) -> Non
         out.notes.append(
             f"mixed_precision_param = {param!r} applies only under FSDP in TorchTitan: here fp32"
         )
+
+
+def _validation(k: Keys, out: Imported, dp: int) -> None:
+    """TorchTitan's validation -> meshforge's [eval]: the same held-out loss, every `freq` steps, over
+    `steps` batches of validation.local_batch_size per dp rank (meshforge's batches are global ones)."""
+    v = lambda key, default: k.take(f"validation.{key}", default)  # noqa: E731
+    if not v("enable", False):
+        out.set("eval.every", 0)
+        for key, value in list(k.data.get("validation", {}).items()):
+            out.skip(f"validation.{key}", k.take(f"validation.{key}"), "validation is off (enable = false)")
+        return
+    freq, steps, local, seq = v("freq", 10), v("steps", -1), v("local_batch_size", 8), v("seq_len", 2048)
+    out.set("eval.every", freq)
+    if seq != out.values["train.seq_len"]:
+        out.refuse("validation.seq_len", seq, "meshforge evaluates at the training sequence length")
+    if steps == -1:
+        out.refuse(
+            "validation.steps", -1, "the whole validation set: meshforge evaluates a fixed number of batches"
+        )
+        return
+    samples, batch = steps * local * dp, out.values["train.global_batch_size"]
+    batch = local * dp if batch == -1 else batch
+    if samples % batch:
+        out.refuse(
+            "validation.local_batch_size",
+            local,
+            f"{steps} steps x {local} x dp {dp} = {samples} samples are not whole global batches of {batch}",
+        )
+        return
+    out.set("eval.batches", samples // batch)
+    out.notes.append(
+        f"validation: every {freq} steps over {samples} held-out samples (eval.batches = {samples // batch} "
+        "global batches); TorchTitan also validates at step 1, meshforge after the last step"
+    )
 
 
 def _optimizer_and_schedule(k: Keys, out: Imported) -> None:

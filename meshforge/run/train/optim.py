@@ -49,15 +49,40 @@ def build_optimizer(params, cfg: OptimizerConfig, implementation: str | None = N
 
 
 def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
-    """Linear warmup to 1, then cosine/linear decay to min_lr_ratio (step counts from 0)."""
+    """The lr of optimizer step `step` (from 0) as a fraction of the peak lr. TorchTitan's
+    convention: warmup to (step+1)/W, then cosine/linear decay to min_lr_ratio from step W."""
+    if cfg.convention == "deepspeed":
+        return deepspeed_multiplier(step - 1, total, cfg)
     if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+        return cfg.warmup_start + (1 - cfg.warmup_start) * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     floor = cfg.min_lr_ratio
     if cfg.decay == "cosine":
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     if cfg.decay == "linear":
         return 1 - (1 - floor) * progress
+    return 1.0
+
+
+def deepspeed_multiplier(iteration: int, total: int, cfg: LRSchedulerConfig) -> float:
+    """DeepSpeed's WarmupLR (decay constant), WarmupDecayLR (linear) and WarmupCosineLR (cosine)
+    at its `last_batch_iteration`, as deepspeed/runtime/lr_schedules.py (0.19) computes them.
+    Its engine steps the schedule after each optimizer step, so step s runs at iteration s - 1."""
+    start, warmup = cfg.warmup_start, max(2, cfg.warmup_steps)  # DeepSpeed warms up >= 2 steps
+    if iteration < 0:  # the value set at construction: WarmupCosineLR's is 0, the others' their min lr
+        return 0.0 if cfg.decay == "cosine" else start
+    if iteration < warmup:
+        if cfg.warmup_shape == "log":
+            rise = 1.0 / math.log(warmup) * math.log(iteration + 1)
+        else:
+            rise = iteration / warmup
+        return start + (1 - start) * rise
+    floor = cfg.min_lr_ratio
+    if cfg.decay == "cosine":  # counts decay steps from 1 (TorchTitan from 0)
+        progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
+        return max(0.0, floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
+    if cfg.decay == "linear":  # WarmupDecayLR decays to its warmup_min_lr (the importer's min_lr_ratio)
+        return floor + (1 - floor) * max(0.0, (total - iteration) / max(1.0, total - warmup))
     return 1.0
 
 
