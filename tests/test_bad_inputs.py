@@ -235,8 +235,8 @@ def test_a_truncated_safetensors_file_and_a_tokenizer_without_eos(bad, tmp_path)
         f"{bad['hf_truncated']}/model.safetensors is not a readable safetensors file (Error while "
         "deserializing header: incomplete metadata, file not fully covered); a truncated download?",
         "names no eos_token",
-        f"checkpoint.load = '{bad['no_meta']}': no complete checkpoint there; use 'latest' or a "
-        "step-NNNNNNNN folder with meta.json",
+        f"checkpoint.load = '{bad['no_meta']}': no complete checkpoint there; use 'auto', 'latest' "
+        "or a step-NNNNNNNN folder with meta.json",
     )
     proc = dry_run(tmp_path, f"model.hf={bad['hf_config_not_json']}", base=SINGLE[:-1])
     refused(
