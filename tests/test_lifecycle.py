@@ -106,3 +106,19 @@ def test_a_failing_step_closes_the_records_with_the_error(tmp_path):
     rows = (tmp_path / "failing" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [3]
     assert trainer.loader.closed
+
+
+def test_a_requeue_of_a_finished_run_trains_nothing_and_keeps_its_records(tmp_path):
+    """`checkpoint.load=auto` on a run whose last checkpoint is its last step: the summary, the
+    status and the records of the run that finished stay exactly as they were."""
+    finished = ScriptedTrainer(_recipe(tmp_path, "done"))
+    finished.run()
+    run_dir = tmp_path / "done"
+    before = {f: (run_dir / f).read_text() for f in ("run.json", "metrics.jsonl")}
+    requeued = ScriptedTrainer(_recipe(tmp_path, "done"))
+    requeued.start_step = 7  # what restore() returns for the checkpoint of step 7 of 7
+    requeued.train_step = lambda step: pytest.fail(f"step {step} of a finished run was trained")
+    state = requeued.run()
+    assert state.step == 0 and requeued.loader.closed
+    assert {f: (run_dir / f).read_text() for f in before} == before
+    assert json.loads(before["run.json"])["summary"]["final_loss"] == 3.0

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshforge.core.errors import Problem, RecipeError
 from meshforge.core.topology import MESH_DIMS
 from meshforge.interop.weights import to_numpy
 from meshforge.models import spec_of
@@ -174,10 +175,11 @@ def check_even(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
             continue
         n = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
         if shape[d] % n:
-            raise ValueError(
+            problem = (
                 f"dim {d} of size {shape[d]} is not divisible by {n} ({axes}): torch pads this "
                 "uneven shard, JAX cannot place it; choose a mesh that divides it"
             )
+            raise RecipeError([Problem("mesh", dict(mesh.shape), problem)])
 
 
 # --- parity ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.run.data.loader import build_loader
 from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
-from meshforge.run.observe.flops import flops_per_token, measure_cpu_matmul_flops
+from meshforge.run.observe.flops import cpu_share, flops_per_token, measure_cpu_matmul_flops, usable_cores
 from meshforge.run.observe.memory import memory_metrics, rank_memory
 from meshforge.run.observe.record import RunState, Throughput
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
@@ -94,7 +94,9 @@ class JaxTrainer(TrainingRun):
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DP_DIMS))
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
         self.loader = build_loader(r, args.vocab_size, micro=r.train.global_batch_size)
-        peak = measure_cpu_matmul_flops() if jax.default_backend() == "cpu" else None
+        peak = None
+        if jax.default_backend() == "cpu":  # the world's devices share this process's cores
+            peak = measure_cpu_matmul_flops() * cpu_share(world, torch.get_num_threads(), usable_cores())
         self.throughput = Throughput(
             flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu"
         )

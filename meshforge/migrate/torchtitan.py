@@ -282,7 +282,8 @@ def _validation(k: Keys, out: Imported, dp: int) -> None:
         )
         return
     samples, batch = steps * local * dp, out.values["train.global_batch_size"]
-    batch = local * dp if batch == -1 else batch
+    # the eval loop draws whole training global batches: micro x accum x dp when the global is derived
+    batch = out.values["train.micro_batch_size"] * dp if batch == -1 else batch
     if samples % batch:
         out.refuse(
             "validation.local_batch_size",

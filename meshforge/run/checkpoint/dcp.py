@@ -145,11 +145,12 @@ def resolve_load(spec: str, folder: Path, field: str = "checkpoint.load") -> Pat
 def refuse_unresumed(cfg: CheckpointConfig, run_dir: Path) -> None:
     """A rerun without `checkpoint.load` of a run whose folder holds checkpoints is refused: it
     would start from step 0 beside them (or set them aside); resuming is `checkpoint.load=auto`."""
-    found = committed(checkpoint_folder(cfg, run_dir)) if cfg.load is None else []
+    found = committed(checkpoint_folder(cfg, run_dir)) if cfg.load is None and cfg.enabled else []
     if found:
+        elsewhere = "another run_name" if not Path(cfg.folder).is_absolute() else "another checkpoint.folder"
         problem = (
             f"{found[-1]} exists: resume from it with checkpoint.load=auto (then the same command "
-            "resumes every time, as a requeued job needs), or start afresh under another run_name"
+            f"resumes every time, as a requeued job needs), or start afresh under {elsewhere}"
         )
         raise RecipeError([Problem("checkpoint.load", None, problem)])
 
@@ -219,13 +220,11 @@ class Checkpointer:
         self, parts: list[nn.Module], model_args, loader, schedulers: list, scaler: LossScaler
     ) -> dict | None:
         """Resume from `checkpoint.load` (model, optimizer, data position, LR schedule, fp16 loss
-        scale, on any mesh) and return {path, step, run_id} (`auto` with no checkpoint yet: step 0,
-        no path); else load seed weights (`init_from`, or
-        `init_from_hf` with each rank reading only its shards) and return None."""
+        scale, on any mesh) and return {path, step, run_id}; else load seed weights (`init_from`, or
+        `init_from_hf` with each rank reading only its shards) and return None, or, for `auto`
+        with no checkpoint yet, {path: None, step: 0}: this run's records go on from step 0."""
         c = self.cfg
         path = resolve_load(c.load, self.folder) if c.load else None
-        if c.load == "auto" and path is None:  # a fresh start that still continues this run's records
-            return {"path": None, "step": 0, "run_id": None}
         if path is not None:
             meta = self.load(path)
             loader.restore_from(meta)
@@ -240,6 +239,8 @@ class Checkpointer:
             reader = hf_reader_for(Path(c.init_from_hf), model_args)
             for part in parts:
                 load_into(part, reader)
+        if c.load == "auto":  # a fresh start from the seed weights that still continues this run's records
+            return {"path": None, "step": 0, "run_id": None}
         return None
 
     def latest(self) -> Path | None:

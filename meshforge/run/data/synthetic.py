@@ -111,7 +111,7 @@ def build_source(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovSource
     """The synthetic source; corpora are streamed per dp rank instead (run/data/corpus.py)."""
     if cfg.source != "synthetic":
         raise DataError(
-            f"data.source = {cfg.source!r} is a corpus: read it with run.corpus_loader.build_loader"
+            f"data.source = {cfg.source!r} is a corpus: read it with run.data.loader.build_loader"
         )
     return MarkovSource(vocab_size, seq_len, cfg.markov_branching, cfg.seed)
 

@@ -100,12 +100,16 @@ class ForwardStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def status_of(self, run_json: Path) -> str | None:
+        """run.json's status when this launch wrote it (not an earlier attempt's record)."""
+        info = json.loads(run_json.read_text()) if run_json.is_file() else {}
+        return info.get("status") if info.get("start_time", 0) >= self.started else None
+
     def interrupted(self, run_json: Path) -> Interrupted:
         """The ranks' own line (run.json's error) when their loop stopped; else they were still
         starting, and the record says so."""
         info = json.loads(run_json.read_text()) if run_json.is_file() else {}
-        ours = info.get("start_time", 0) >= self.started  # not an earlier attempt's record
-        if ours and info.get("status") == "preempted" and info.get("error"):
+        if self.status_of(run_json) == "preempted" and info.get("error"):
             return Interrupted(info["error"].removeprefix(f"{Interrupted.__name__}: "))
         message = f"stopped by {self.name} before training started: nothing saved"
         mark_failed(run_json, message, status="preempted")
@@ -154,5 +158,8 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
             f"rank {first_rank} failed (exit code {failure.exitcode}): {message or 'see its log'}; "
             f"logs in {log_dir}"
         ) from None
-    if stop.name:
+    # the ranks' verdict, not only ours: ranks signalled directly stop too (exit 130), and a
+    # signal that reached us after they finished changes nothing
+    status = stop.status_of(log_dir.parent / "run.json")
+    if status == "preempted" or (stop.name and status != "finished"):
         raise stop.interrupted(log_dir.parent / "run.json")

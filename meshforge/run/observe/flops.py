@@ -68,6 +68,11 @@ def cpu_share(ranks_on_host: int, threads: int, cores: int) -> float:
     return min(1.0, cores / (ranks_on_host * min(threads, cores)))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: cgroups, Slurm), not the host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def device_peak_flops(env: DistEnv, param_dtype: str) -> float | None:
     """Per-device peak in the compute dtype: the GPU's datasheet number, or this CPU's measured
     matmul rate (rank 0 measures once) times one rank's share of the host's cores
@@ -80,4 +85,4 @@ def device_peak_flops(env: DistEnv, param_dtype: str) -> float | None:
     peak = torch.tensor(measure_cpu_matmul_flops(dtype=dtype) if env.is_main else 0.0, dtype=torch.float64)
     if dist.is_initialized():
         dist.broadcast(peak, src=0)
-    return float(peak) * cpu_share(env.local_world_size, torch.get_num_threads(), os.cpu_count() or 1)
+    return float(peak) * cpu_share(env.local_world_size, torch.get_num_threads(), usable_cores())

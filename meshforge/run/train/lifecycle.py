@@ -6,6 +6,7 @@ what is its own (evaluation, checkpoints, how it measures memory)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from meshforge.run.observe.describe import banner, log_final, open_run
 from meshforge.run.observe.loggers import LoggerContainer
 from meshforge.run.observe.record import RunRecord, RunState, StepTime, Throughput, exclusion, summarize
 from meshforge.run.train.guards import StopSignals
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,6 +121,13 @@ class TrainingRun:
 
     def run(self) -> RunState:
         r, env, st = self.recipe, self.env, self.state
+        if self.start_step >= r.train.steps:  # a requeue of a finished run: its records stay as they are
+            if env.is_main:
+                log.warning(
+                    f"{r.run_name} already trained {self.start_step} of {r.train.steps} steps: nothing to do"
+                )
+            self.close_sources()
+            return st
         # launched here by meshforge: the launcher shows the run (run/launch/watch.py); else rank 0 does
         launched = os.environ.get(LAUNCHED_ENV) == "launcher"
         self.console = RunConsole(enabled=env.is_main and r.logging.progress and not launched)
