@@ -60,13 +60,14 @@ def bare_loop(trainer: Trainer):
 
 
 def meshforge_loop(trainer: Trainer):
-    """meshforge's per-step work in `Trainer.run`: the step plus its metrics (memory, FLOPs)."""
+    """meshforge's per-step work in `TrainingRun._steps`: the step plus its metrics (memory, FLOPs)
+    and the loss read on the host, as a logging step does (and as the bare loop's loss.item())."""
 
     def step() -> float:
-        t0 = time.perf_counter()
-        out = trainer.train_step()
-        trainer._metrics(trainer.state.step + 1, out, time.perf_counter() - t0)
-        return out["loss"]
+        t0, n = time.perf_counter(), trainer.state.step + 1
+        result = trainer.train_step(n)
+        trainer._unread_losses.append(result.loss)  # what TrainingRun._record hands _metrics
+        return trainer._metrics(n, result, time.perf_counter() - t0)["loss"]
 
     return step
 
