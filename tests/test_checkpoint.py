@@ -226,10 +226,10 @@ KILL_RANK0_BEFORE_STEP = """
 import os, signal
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
-def step(self):
-    if os.environ.get("RANK") == "0" and self.state.step + 1 == int(os.environ["MESHFORGE_TEST_KILL_AT"]):
+def step(self, n):
+    if os.environ.get("RANK") == "0" and n == int(os.environ["MESHFORGE_TEST_KILL_AT"]):
         os.kill(os.getpid(), signal.SIGKILL)
-    return original(self)
+    return original(self, n)
 t.Trainer.train_step = step
 """
 

@@ -22,10 +22,10 @@ FAULT = """
 import os
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
-def failing(self):
+def failing(self, n):
     if os.environ.get("RANK") == "1" and self.state.step == 2:
         raise RuntimeError("injected failure on rank 1")
-    return original(self)
+    return original(self, n)
 t.Trainer.train_step = failing
 """
 

@@ -79,7 +79,7 @@ def test_cpu_peak_is_one_ranks_share_of_the_cores(monkeypatch):
     from meshforge.run.observe import flops
 
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda dtype: 40e9)
-    monkeypatch.setattr(flops.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(flops.os, "sched_getaffinity", lambda pid: {0, 1})  # the cores this process may use
     monkeypatch.setattr(flops.torch, "get_num_threads", lambda: 1)
     eight = DistEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, device=torch.device("cpu"))
     assert flops.device_peak_flops(eight, "float32") == 40e9 * 2 / 8
