@@ -191,6 +191,7 @@ def test_dlpack_shares_memory_both_ways():
         jax_bridge.to_jax(torch.tensor([2**40]))
 
 
+@pytest.mark.slow
 def test_the_same_recipe_trains_in_jax_and_matches_torch(tmp_path):
     """FSDP 2 x TP 2 in torch (4 gloo processes) and backend=jax (4 JAX devices, the torch
     run's shardings): 20 fp32 steps from the same init and data, losses within 1e-4;
@@ -299,6 +300,7 @@ def test_import_export_every_format_round_trips_bit_exactly(tmp_path):
     assert proc.returncode == 2 and "dim: checkpoint 64, recipe 128" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_sharded_run_starts_from_hf_weights_reading_only_its_shards(tmp_path):
     """checkpoint.init_from_hf on FSDP 2 x TP 2: every rank reads its slices (q/k un-permuted
     by head) and training matches a run started from the same weights' seed checkpoint."""
@@ -381,6 +383,7 @@ def test_jax_devices_read_only_their_own_slices(tmp_path):
     assert wq_rows == {64 // 8}
 
 
+@pytest.mark.slow
 def test_every_shard_of_an_8_rank_gloo_run_matches_its_jax_device(tmp_path):
     """FSDP 4 x TP 2 on 8 gloo processes writes each rank's local shards into its own DCP file;
     the exported weights placed with the derived NamedShardings hold, on the device with that
