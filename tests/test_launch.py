@@ -30,6 +30,7 @@ t.Trainer.train_step = failing
 """
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -53,7 +54,9 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr and "injected failure on rank 1" in proc.stderr
-    assert elapsed < 60, f"took {elapsed:.0f}s to end the job"
+    # ended by the failure, not by the other ranks' collectives timing out (300 s): a bound, not a
+    # speed target (a loaded 2-core machine takes 80 s to start 4 ranks, train 2 steps and stop)
+    assert elapsed < 200, f"took {elapsed:.0f}s to end the job"
     # nothing lost: the steps before the failure are on record, and the run is marked failed
     assert [r["step"] for r in read_metrics(tmp_path / "fail")] == [1, 2]
     info = json.loads((tmp_path / "fail" / "run.json").read_text())
