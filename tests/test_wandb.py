@@ -251,7 +251,7 @@ def test_a_preempted_killed_and_resumed_offline_run_uploads_as_one_run_with_each
         "pp.schedule=GPipe",
     ]
     stopped = run_cli(args, cwd=tmp_path, env=cli_env(**env, MESHFORGE_TEST_STOP="1"))
-    assert stopped.returncode != 0 and "stopped by a signal after step 4" in stopped.stderr
+    assert stopped.returncode == 130 and "stopped by SIGTERM after step 4" in stopped.stderr
     resume = [*args, "checkpoint.load=latest"]
     killed = run_cli(resume, cwd=tmp_path, env=cli_env(**env, MESHFORGE_TEST_KILL="1"))
     assert killed.returncode != 0
