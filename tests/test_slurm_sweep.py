@@ -56,11 +56,6 @@ def sweep_cmd(args: list[str]) -> list[str]:
     return [str(Path(sys.executable).parent / "meshforge"), "sweep", *args]
 
 
-def squeue_calls(tmp: Path) -> int:
-    log = tmp / "slurm" / "squeue.log"
-    return len(log.read_text().splitlines()) if log.exists() else 0
-
-
 def submissions(tmp: Path) -> list[str]:
     """The job names sbatch accepted, in order (fake_slurm's log)."""
     return (tmp / "slurm" / "submissions.log").read_text().split()[1::2]
