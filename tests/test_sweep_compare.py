@@ -11,6 +11,7 @@ from conftest import QUICK, RECIPES, cli_env, run_cli
 
 from meshforge.core.errors import UsageError
 from meshforge.core.topology import MESH_DIMS, ParallelDims
+from meshforge.core.units import GiB
 from meshforge.experiments import compare
 from meshforge.experiments.sweep import mesh_shapes, sweep_points
 from meshforge.run.observe import wandb_files as wf
@@ -97,7 +98,7 @@ def test_sweep_records_every_point(sweep):
         per_rank = json.loads((sweep_dir / r["label"] / "run.json").read_text())["summary"][
             "memory_breakdown"
         ]["per_rank"]
-        assert abs(r["estimate_bytes"] / max(p["total"] for p in per_rank) - 1) <= 0.05, r["label"]
+        assert abs(r["estimate_bytes"] / GiB / max(p["total_gib"] for p in per_rank) - 1) <= 0.05, r["label"]
         assert set(r["mesh"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
     best = max(finished, key=lambda r: r["tokens_per_sec"])
     assert f"fastest layout that fits: {best['label']}" in out

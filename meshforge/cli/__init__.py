@@ -73,6 +73,20 @@ def _load(args: argparse.Namespace, world: int | None = None) -> Recipe:
     return load_recipe(recipe_arg, overrides, world_size=world)
 
 
+def _start_rank_server(args: argparse.Namespace) -> None:
+    """A run of several local ranks: their server starts importing now, on another core, while
+    this process loads and checks the recipe (run/launch/rank_server.py)."""
+    from meshforge.configs import load_config
+    from meshforge.run.launch.rank_server import launches_ranks, start_rank_server
+
+    try:
+        recipe, _ = load_config(*_split_positionals(args.items))
+    except RecipeError:
+        return  # _load says what is wrong
+    if launches_ranks(recipe):
+        start_rank_server()
+
+
 def _env_world(nproc: int | None) -> int | None:
     from meshforge.run.launch.distributed import env_world_size
 
@@ -94,6 +108,8 @@ def _world_for(path, overrides: list[str], world: int | None) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     if args.sweep or args.plan:  # --plan is a sweep that launches nothing
         return cmd_sweep(args)
+    if not (args.dry_run or args.print_config):
+        _start_rank_server(args)
     recipe = _load(args, _env_world(args.nproc))
     if args.quiet:  # no banner, progress or summary: errors still reach stderr, the records everything
         recipe.logging.progress = False

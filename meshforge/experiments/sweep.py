@@ -34,7 +34,14 @@ from meshforge.experiments.sweep_record import append_row, log_verdict, measure,
 from meshforge.recipe import load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.loggers import wandb_settings
-from meshforge.simulate.estimate import estimate_refusals, estimate_table, heaviest, submit_roles, trace_pool
+from meshforge.simulate.estimate import (
+    analytic_figures,
+    estimate_refusals,
+    estimate_table,
+    heaviest,
+    submit_roles,
+    trace_pool,
+)
 
 
 def mesh_shapes(world: int) -> list[dict[str, int]]:
@@ -189,11 +196,7 @@ def _judge_fit(row: dict, recipe: Recipe, traced: dict, device_memory_gib: float
     row["estimate_gib"], row["estimate_bytes"] = round(estimate / GiB, 3), estimate
     row["analytic_gib"] = round(plan.bytes_per_rank / GiB, 3)
     row["traced"] = traced
-    row["analytic"] = {
-        "states": plan.state_bytes_per_rank,
-        "activations": plan.activation_bytes_per_rank,
-        "total": plan.bytes_per_rank,
-    }
+    row["analytic"] = analytic_figures(plan)
     row["status"] = "planned"
     if device_memory_gib is not None and estimate > device_memory_gib * GiB:
         row.update(status="skipped", error=f"estimate {row['estimate_gib']} GiB > {device_memory_gib} GiB")

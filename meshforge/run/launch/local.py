@@ -20,7 +20,6 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from unittest import mock
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -29,6 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from meshforge.configs import Recipe
 from meshforge.core.errors import Interrupted, LaunchFailed
 from meshforge.core.logs import LOG_LEVEL_ENV, log_level_name
+from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
 from meshforge.run.observe.console import RunConsole
 from meshforge.run.observe.record import mark_failed
@@ -70,7 +70,8 @@ def _quiet_rank_failures():
 
 
 @record
-def _worker(recipe: Recipe) -> None:
+def _worker(recipe: Recipe, launcher_env: dict[str, str]) -> None:
+    os.environ.update(launcher_env)
     try:
         train(recipe)
     except Interrupted:  # stopped and saved as asked: a clean exit, so torch waits for every rank
@@ -131,23 +132,23 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ForwardStop's
     )
-    # the ranks inherit this process's environment (restored after): this process owns the
-    # terminal, and the ranks log at its level
-    rank_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
+    # this process owns the terminal, and the ranks log at its level (told explicitly: the rank
+    # server may have started before this process knew them)
+    launcher_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
+    start_rank_server()  # if the CLI has not yet
     console = RunConsole(enabled=recipe.logging.progress)
     stop = ForwardStop(started=time.time())
     try:
         with (
-            mock.patch.dict(os.environ, rank_env),
             stop,
             RunWatcher(log_dir.parent, console, stop.started),
             _quiet_rank_failures(),
         ):
-            elastic_launch(config, _worker)(recipe)
+            elastic_launch(config, _worker)(recipe, launcher_env)
     except ChildFailedError as e:
         if stop.name:  # a rank killed by a second signal, or one that was still starting
             raise stop.interrupted(log_dir.parent / "run.json") from None

@@ -1,0 +1,34 @@
+"""The process a local launch's ranks fork from (multiprocessing's forkserver).
+
+A fresh interpreter per rank (spawn) spent most of a small run importing torch and the trainer,
+once per rank on shared cores. The server imports them once and forks each rank from there. It is
+never the launching process itself: that one has run torch ops (a forked OpenMP pool hangs) and
+has threads (the terminal's watcher). Light on purpose: the CLI starts it before it has imported
+torch, so the server's imports overlap its own recipe checks.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.forkserver
+import os
+
+from meshforge.configs import Recipe
+from meshforge.core.topology import MESH_DIMS
+
+RANK_ENTRY = "meshforge.run.launch.local"  # what a rank runs, with everything it imports
+
+
+def start_rank_server() -> None:
+    """Start the server (once per process) with the ranks' modules imported."""
+    multiprocessing.set_forkserver_preload([RANK_ENTRY])
+    multiprocessing.forkserver.ensure_running()
+
+
+def launches_ranks(recipe: Recipe) -> bool:
+    """Whether run_recipe will launch several local ranks of this (unvalidated) recipe: a fixed
+    mesh of more than one rank, not under torchrun (whose workers are started already)."""
+    degrees = [getattr(recipe.mesh, d) for d in MESH_DIMS]
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
+    return recipe.backend == "torch" and not under_torchrun and min(degrees) > 0 and math.prod(degrees) > 1
