@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
@@ -117,6 +117,14 @@ class ForwardStop:
         return Interrupted(message)
 
 
+def _root_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that ended the job: a rank killed by a signal (the OOM killer, kill -9) before
+    the ranks that then failed on a broken collective; else the earliest (torch's times are whole
+    seconds, so those often tie, and torch then names the lowest rank)."""
+    killed = {rank: f for rank, f in error.failures.items() if f.exitcode < 0}
+    return min(killed.items()) if killed else error.get_first_failure()
+
+
 def launch_local(recipe: Recipe, nproc: int) -> None:
     """Run `nproc` ranks of `recipe` here. Each rank writes its output to its log file under
     `<run>/logs/`; this process shows the run (run/launch/watch.py). A failing rank ends the whole
@@ -152,7 +160,7 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     except ChildFailedError as e:
         if stop.name:  # a rank killed by a second signal, or one that was still starting
             raise stop.interrupted(log_dir.parent / "run.json") from None
-        first_rank, failure = e.get_first_failure()
+        first_rank, failure = _root_failure(e)
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         mark_failed(log_dir.parent / "run.json", f"rank {first_rank}: {message or failure.exitcode}")
         raise LaunchFailed(

@@ -78,9 +78,9 @@ class RunConsole:
             self.console.print(escape(b.pipeline))
         if b.loss_floor is not None:
             self.console.print(f"synthetic source: loss floor (entropy rate) = {b.loss_floor:.4f} nats/token")
-        self.console.print(f"records: {run_dir}", highlight=False)
+        self.console.print(f"records: {run_dir}", highlight=False, markup=False)
         if wandb:
-            self.console.print(f"W&B: {wandb}", highlight=False)
+            self.console.print(f"W&B: {wandb}", highlight=False, markup=False)
         self._total = b.total_steps
         if self.console.is_terminal:
             self._progress = Progress(

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.figure import Figure  # the object API: files only, no pyplot backend chosen
-from matplotlib.patches import Patch
-
 from meshforge.parallelisms.pp_actions import action_kind, bubble_fraction, pipeline_order
 from meshforge.run.observe.memtrace import CATEGORIES
 
@@ -16,6 +13,9 @@ COMPUTE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452"
 
 def timeline(order: dict[int, list[str | None]], title: str):
     """A Gantt-style figure of a pipeline order: one row per rank, one cell per time step."""
+    from matplotlib.figure import Figure  # here: a second of import no run pays until it draws
+    from matplotlib.patches import Patch
+
     span = max(i + 1 for actions in order.values() for i, a in enumerate(actions) if action_kind(a))
     fig = Figure(figsize=(max(6, span * 0.35), 0.6 * len(order) + 1.5))
     ax = fig.subplots()
@@ -53,6 +53,8 @@ def save_pipeline(schedule, title: str, path: Path) -> tuple:
 
 def breakdown_figure(per_rank: list[dict[str, float]], title: str):
     """A stacked bar per rank: the categories at that rank's peak (recorded in GiB), drawn in MiB."""
+    from matplotlib.figure import Figure  # the object API: files only, no pyplot backend chosen
+
     fig = Figure(figsize=(max(5, 0.7 * len(per_rank) + 2), 4))
     ax = fig.subplots()
     bottom = [0.0] * len(per_rank)
