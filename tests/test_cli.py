@@ -144,3 +144,22 @@ def test_a_stopped_rank_exits_130_and_only_rank_0_says_why(monkeypatch, capsys):
         assert main(stopped, None) == 130
         said[rank] = capsys.readouterr().err.strip()
     assert said == {"0": line, "1": ""}
+
+
+def test_only_a_multi_rank_cpu_run_forks_its_ranks_from_the_rank_server(monkeypatch):
+    """The rank server (run/launch/rank_server.py) is started early only for what will fork from it."""
+    from meshforge.configs import load_config
+    from meshforge.run.launch.rank_server import forks_cpu_ranks
+
+    def forks(*overrides: str) -> bool:
+        return forks_cpu_ranks(load_config("debug_cpu", list(overrides))[0])
+
+    for name in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert forks()  # the default: 8 CPU ranks
+    assert not forks("train.device=cuda") and not forks("train.device=auto")  # CUDA ranks are spawned
+    assert not forks("mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1")  # one process trains in place
+    assert not forks("mesh.dp_shard=-1")  # sized by the world: known only after validation
+    assert not forks("backend=jax")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert not forks()  # under torchrun the workers exist already

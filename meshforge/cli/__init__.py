@@ -82,16 +82,16 @@ def _load(args: argparse.Namespace, world: int | None = None) -> Recipe:
 
 
 def _start_rank_server(args: argparse.Namespace) -> None:
-    """A run of several local ranks: their server starts importing now, on another core, while
-    this process loads and checks the recipe (run/launch/rank_server.py)."""
+    """A run of several local CPU ranks: their server starts importing now, on another core,
+    while this process loads and checks the recipe (run/launch/rank_server.py)."""
     from meshforge.configs import load_config
-    from meshforge.run.launch.rank_server import launches_ranks, start_rank_server
+    from meshforge.run.launch.rank_server import forks_cpu_ranks, start_rank_server
 
     try:
         recipe, _ = load_config(*_split_positionals(args.items))
     except RecipeError:
         return  # _load says what is wrong
-    if launches_ranks(recipe):
+    if forks_cpu_ranks(recipe):
         start_rank_server()
 
 

@@ -28,6 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from meshforge.configs import Recipe
 from meshforge.core.errors import Interrupted, LaunchFailed
 from meshforge.core.logs import LOG_LEVEL_ENV, log_level_name
+from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
 from meshforge.run.observe.console import RunConsole
@@ -130,6 +131,9 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     `<run>/logs/`; this process shows the run (run/launch/watch.py). A failing rank ends the whole
     job (max_restarts=0) and raises LaunchFailed naming it."""
     log_dir = Path(recipe.output_dir) / recipe.run_name / "logs"
+    start_method = "forkserver" if pick_device_type(recipe.train.device) == "cpu" else "spawn"
+    if start_method == "forkserver":
+        start_rank_server()  # if the CLI has not yet (run/launch/rank_server.py)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -140,14 +144,13 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
         local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="forkserver",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are ForwardStop's
     )
     # this process owns the terminal, and the ranks log at its level (told explicitly: the rank
     # server may have started before this process knew them)
     launcher_env = {LAUNCHED_ENV: "launcher", LOG_LEVEL_ENV: log_level_name()}
-    start_rank_server()  # if the CLI has not yet
     console = RunConsole(enabled=recipe.logging.progress)
     stop = ForwardStop(started=time.time())
     try:

@@ -4,7 +4,9 @@ A fresh interpreter per rank (spawn) spent most of a small run importing torch a
 once per rank on shared cores. The server imports them once and forks each rank from there. It is
 never the launching process itself: that one has run torch ops (a forked OpenMP pool hangs) and
 has threads (the terminal's watcher). Light on purpose: the CLI starts it before it has imported
-torch, so the server's imports overlap its own recipe checks.
+torch, so the server's imports overlap its own recipe checks. CPU ranks only: CUDA ranks are
+spawned fresh (nothing that may have touched CUDA is ever forked, and a GPU job does not notice
+the seconds of import).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ def start_rank_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def launches_ranks(recipe: Recipe) -> bool:
-    """Whether run_recipe will launch several local ranks of this (unvalidated) recipe: a fixed
-    mesh of more than one rank, not under torchrun (whose workers are started already)."""
+def forks_cpu_ranks(recipe: Recipe) -> bool:
+    """Whether run_recipe will fork several local CPU ranks of this (unvalidated) recipe: a fixed
+    mesh of more than one rank on `device = "cpu"`, not under torchrun (whose workers are started
+    already)."""
     degrees = [getattr(recipe.mesh, d) for d in MESH_DIMS]
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
-    return recipe.backend == "torch" and not under_torchrun and min(degrees) > 0 and math.prod(degrees) > 1
+    several = min(degrees) > 0 and math.prod(degrees) > 1
+    return recipe.backend == "torch" and recipe.train.device == "cpu" and several and not under_torchrun
