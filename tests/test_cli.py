@@ -154,12 +154,12 @@ def test_only_a_multi_rank_cpu_run_forks_its_ranks_from_the_rank_server(monkeypa
     def forks(*overrides: str) -> bool:
         return forks_cpu_ranks(load_config("debug_cpu", list(overrides))[0])
 
-    for name in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     assert forks()  # the default: 8 CPU ranks
     assert not forks("train.device=cuda") and not forks("train.device=auto")  # CUDA ranks are spawned
     assert not forks("mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1")  # one process trains in place
     assert not forks("mesh.dp_shard=-1")  # sized by the world: known only after validation
     assert not forks("backend=jax")
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert not forks()  # under torchrun the workers exist already

@@ -10,14 +10,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshforge.run.launch.rank_server import under_torchrun  # noqa: F401  (light: the CLI asks it before torch)
+
 # Collective timeout: long enough for a slow first compile, short enough that a dead
 # rank ends the job instead of hanging it.
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("MESHFORGE_COLLECTIVE_TIMEOUT", "300")))
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or our local launcher, which is torchrun's API) started us."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def env_world_size() -> int | None:

@@ -11,13 +11,12 @@ the seconds of import).
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
 
 from meshforge.configs import Recipe
-from meshforge.core.topology import MESH_DIMS
+from meshforge.configs.checks import mesh_world_size
 
 RANK_ENTRY = "meshforge.run.launch.local"  # what a rank runs, with everything it imports
 
@@ -28,11 +27,15 @@ def start_rank_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def under_torchrun() -> bool:
+    """True when torchrun (or our local launcher, which is torchrun's API) started us. Here, not in
+    distributed.py, so the CLI can ask before it imports torch."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def forks_cpu_ranks(recipe: Recipe) -> bool:
     """Whether run_recipe will fork several local CPU ranks of this (unvalidated) recipe: a fixed
     mesh of more than one rank on `device = "cpu"`, not under torchrun (whose workers are started
     already)."""
-    degrees = [getattr(recipe.mesh, d) for d in MESH_DIMS]
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
-    several = min(degrees) > 0 and math.prod(degrees) > 1
-    return recipe.backend == "torch" and recipe.train.device == "cpu" and several and not under_torchrun
+    several = (mesh_world_size(recipe) or 1) > 1  # None: a -1 degree, sized by the world later
+    return recipe.backend == "torch" and recipe.train.device == "cpu" and several and not under_torchrun()
