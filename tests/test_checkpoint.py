@@ -21,12 +21,18 @@ ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 CKPT = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_latest=0"]
 
 # sitecustomize hooks, injected into every worker; RANK is read at call time
+# rank 1 dies while the launcher is paused for half a second (as on a loaded machine), so the
+# launcher wakes to its peers' broken collectives too and must still name rank 1
 KILL_RANK1_AT_STEP7 = """
-import os, signal
+import os, signal, subprocess
 import meshforge.run.train.trainer as t
 original = t.Trainer.train_step
 def step(self, n):
     if os.environ.get("RANK") == "1" and self.state.step == 6:
+        with open(f"/proc/{os.getppid()}/stat") as f:  # rank <- rank server <- launcher
+            launcher = int(f.read().rsplit(")", 1)[1].split()[1])
+        os.kill(launcher, signal.SIGSTOP)
+        subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -CONT {launcher}"], start_new_session=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return original(self, n)
 t.Trainer.train_step = step

@@ -21,8 +21,9 @@ import time
 import uuid
 from pathlib import Path
 
+from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
@@ -70,6 +71,18 @@ def _quiet_rank_failures():
             logger.removeFilter(quiet)
 
 
+# How long a rank whose peer vanished waits before it exits. torch's launcher reports only the
+# first rank it sees exit, and a rank killed by a signal (the OOM killer, kill -9) takes its peers'
+# collectives down within milliseconds: without the wait a survivor's "Connection reset by peer"
+# could be named as the failure in place of the rank that was killed.
+PEER_LOST_GRACE_S = 2.0
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    """A collective broken by another rank's death (gloo raises a plain RuntimeError naming the peer)."""
+    return isinstance(error, DistNetworkError) or "by peer" in str(error)
+
+
 @record
 def _worker(recipe: Recipe, launcher_env: dict[str, str]) -> None:
     os.environ.update(launcher_env)
@@ -77,6 +90,10 @@ def _worker(recipe: Recipe, launcher_env: dict[str, str]) -> None:
         train(recipe)
     except Interrupted:  # stopped and saved as asked: a clean exit, so torch waits for every rank
         pass
+    except Exception as e:
+        if _lost_a_peer(e):
+            time.sleep(PEER_LOST_GRACE_S)
+        raise
 
 
 class ForwardStop:
@@ -118,14 +135,6 @@ class ForwardStop:
         return Interrupted(message)
 
 
-def _root_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
-    """The failure that ended the job: a rank killed by a signal (the OOM killer, kill -9) before
-    the ranks that then failed on a broken collective; else the earliest (torch's times are whole
-    seconds, so those often tie, and torch then names the lowest rank)."""
-    killed = {rank: f for rank, f in error.failures.items() if f.exitcode < 0}
-    return min(killed.items()) if killed else error.get_first_failure()
-
-
 def launch_local(recipe: Recipe, nproc: int) -> None:
     """Run `nproc` ranks of `recipe` here. Each rank writes its output to its log file under
     `<run>/logs/`; this process shows the run (run/launch/watch.py). A failing rank ends the whole
@@ -163,7 +172,7 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     except ChildFailedError as e:
         if stop.name:  # a rank killed by a second signal, or one that was still starting
             raise stop.interrupted(log_dir.parent / "run.json") from None
-        first_rank, failure = _root_failure(e)
+        first_rank, failure = e.get_first_failure()  # the one rank torch saw exit first
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         mark_failed(log_dir.parent / "run.json", f"rank {first_rank}: {message or failure.exitcode}")
         raise LaunchFailed(
