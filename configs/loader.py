@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import time
 import typing
 from collections.abc import Sequence
@@ -146,9 +147,15 @@ def _unknown(name: str, value: Any, choices: list[str], prefix: str = "") -> Pro
     return Problem(name, value, f"unknown key; {hint}")
 
 
+@functools.cache
+def _schema(cls: type):
+    """The section's structured config, built once (merge copies it: it is never changed)."""
+    return OmegaConf.structured(cls)
+
+
 def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
     try:
-        OmegaConf.merge(OmegaConf.structured(cls), {key: value})
+        OmegaConf.merge(_schema(cls), {key: value})
         return []
     # OmegaConf's own errors about the value, and its TypeError for a table given where a list
     # goes (or a list for a table); anything else is a bug and keeps its traceback
@@ -171,7 +178,7 @@ def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) 
     problems += check_keys_and_types(raw)
     if problems:
         raise RecipeError(problems, str(path))
-    recipe: Recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), raw))
+    recipe: Recipe = OmegaConf.to_object(OmegaConf.merge(_schema(Recipe), raw))
     if recipe.run_name is None:
         recipe.run_name = f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     return recipe, path

@@ -9,7 +9,9 @@ gradients, optimizer state, activations, FSDP buffers and temporaries are counte
 the real step allocates them. Under pipeline parallelism the rank's forwards and
 backwards run in the schedule's own action order, so the microbatches a schedule keeps
 in flight are alive at once, and FSDP is driven as torch's PipelineStage drives it.
-Measured against real runs by benchmarks/estimator_accuracy.py.
+A deep stage is traced shallow and one period (a block, or selective AC's period) deeper,
+and extrapolated to its depth (submit_trace). Measured against real runs by
+benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
 moments) over the sharding, plus Korthikanti et al. 2022 activations (run/launch/analytic.py).
@@ -22,6 +24,7 @@ loses them (`off_the_device`) and the analytic states are 0 on the device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from rich.console import Console
@@ -36,7 +39,7 @@ from meshforge.core.units import GiB
 from meshforge.models import args_from_config
 from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
-from meshforge.parallelisms.pp import build_schedule
+from meshforge.parallelisms.pp import build_schedule, stage_ids_for_rank, stage_layout
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.recipe import load_recipe
 from meshforge.run.launch.plan import make_plan
@@ -45,9 +48,73 @@ from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, cross_entropy_sum
 from meshforge.simulate.fake_rank import simulated_rank, trace_pool
 
+# A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
+# amount with each further block (its parameters, gradients, moments and saved activations), so
+# the two traces give the slope and the real depth is extrapolated (checked against full traces
+# in tests/test_memory.py). At least 2 periods: the first differs from the rest (FSDP's prefetch
+# of the next block, the first block's gradient buckets), measured on the debug model.
+MIN_SHALLOW_PERIODS = 2
+
+
+class Extrapolated:
+    """Two shallow traces of a rank (futures), extrapolated to the real depth by `result()`."""
+
+    def __init__(self, low, high, blocks_beyond_low: float):
+        self.low, self.high, self.factor = low, high, blocks_beyond_low
+
+    def result(self) -> dict:
+        low, high = self.low.result(), self.high.result()
+        return {k: round(low[k] + (high[k] - low[k]) * self.factor) for k in low}
+
+
+def submit_trace(recipe: Recipe, rank: int, pool):
+    """Rank `rank`'s traced peak (a future): traced at the recipe's depth, or, where that costs
+    more, at a shallow depth and one period deeper and extrapolated linearly (Extrapolated).
+    The period is 1 block, or `selective_every` under selective AC (checkpointed by layer id):
+    shallow stages keep their block count and first layer id modulo the period, so the same
+    blocks are checkpointed. Each trace runs in its own worker process (trace_pool)."""
+    dims = ParallelDims.from_config(recipe.mesh)
+    counts = [len(ids) for ids in stage_layout_of(recipe, dims)]
+    ac = recipe.activation_checkpoint
+    period = ac.selective_every if ac.mode == "selective" else 1
+    least = MIN_SHALLOW_PERIODS * period
+    low = [min(n, least + (n - least) % period) for n in counts]
+    high = [lo + period if lo < n else n for lo, n in zip(low, counts)]
+    mine = (
+        stage_ids_for_rank(
+            dims.coordinate(rank)["pp"], dims.pp, recipe.pp.stages_per_rank, recipe.pp.schedule
+        )
+        if dims.pp_enabled
+        else [0]
+    )
+    grown = [s for s in mine if low[s] < counts[s]]
+    if sum(low[s] + high[s] for s in mine) >= sum(counts[s] for s in mine):  # no cheaper
+        return pool.submit(trace_rank, recipe, rank)
+    low_trace, high_trace = (
+        pool.submit(trace_rank, _with_stage_blocks(recipe, dims, c), rank) for c in (low, high)
+    )
+    periods = sum(counts[s] - low[s] for s in grown) / (len(grown) * period)  # `high` adds one to each
+    return Extrapolated(low_trace, high_trace, periods)
+
+
+def stage_layout_of(recipe: Recipe, dims: ParallelDims) -> list[list[int]]:
+    """Layer ids per pipeline stage (one stage without pipelining)."""
+    n_layers = args_from_config(recipe.model).n_layers
+    if not dims.pp_enabled:
+        return [list(range(n_layers))]
+    return stage_layout(n_layers, dims.pp * recipe.pp.stages_per_rank, recipe.pp)
+
+
+def _with_stage_blocks(recipe: Recipe, dims: ParallelDims, counts: list[int]) -> Recipe:
+    """The recipe with `counts[s]` blocks in stage s (explicit layers_per_stage under pipelining)."""
+    model = dataclasses.replace(recipe.model, n_layers=sum(counts))
+    pp = dataclasses.replace(recipe.pp, layers_per_stage=list(counts)) if dims.pp_enabled else recipe.pp
+    return dataclasses.replace(recipe, model=model, pp=pp)
+
 
 def trace_rank(recipe: Recipe, rank: int) -> dict:
-    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc)."""
+    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc). Run it
+    in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
     with simulated_rank(recipe, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
         for part in pmodel.parts:
             to_empty(part, "cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
@@ -119,13 +186,18 @@ def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list
 
 
 def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Run one optimizer step on zero gradients, so AdamW's moments exist before the trace."""
+    """AdamW's state as its first step creates it (a step counter and two moments shaped like
+    each parameter), so the traced step is a steady-state one. Made directly: running a step
+    on zero gradients cost ~1.3 s per 8B trace under fake DTensors; a changed state layout
+    fails the traced step loudly (AdamW reads these keys)."""
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+                opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
 
 def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]]) -> None:
@@ -162,22 +234,22 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
             del out
 
 
-def traced_estimate(recipe: Recipe, pool=None) -> dict:
+def traced_estimate(recipe: Recipe, pool) -> dict:
     """The heaviest role's categories, with `rank` saying which global rank it is."""
     return heaviest(submit_roles(recipe, pool))
 
 
 def submit_roles(recipe: Recipe, pool) -> list:
-    """One trace per distinct role of the mesh, started on `pool` (or run here without one);
-    `heaviest` collects them, so many recipes' traces can run at once."""
-    ranks = ParallelDims.from_config(recipe.mesh).role_ranks()
-    if pool is None:
-        return [(rank, trace_rank(recipe, rank)) for rank in ranks]
-    return [(rank, pool.submit(trace_rank, recipe, rank)) for rank in ranks]
+    """One trace per distinct role of the mesh, started on `pool` (trace_pool); `heaviest`
+    collects them, so many recipes' traces can run at once."""
+    return [
+        (rank, submit_trace(recipe, rank, pool))
+        for rank in ParallelDims.from_config(recipe.mesh).role_ranks()
+    ]
 
 
 def heaviest(results: list) -> dict:
-    per_role = [dict(r.result() if hasattr(r, "result") else r, rank=rank) for rank, r in results]
+    per_role = [dict(r.result(), rank=rank) for rank, r in results]
     return max(per_role, key=lambda p: p["total"])
 
 
