@@ -100,10 +100,25 @@ DEEP = ["model.n_layers=8", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1
             "pp.schedule=Interleaved1F1B",
             "pp.stages_per_rank=2",
         ],
-        # stages of 13 and 12 blocks, every 2nd checkpointed: stage 1 starts at an odd layer id
-        ["mesh.dp_shard=2", "mesh.pp=2", "model.n_layers=25", "activation_checkpoint.mode=selective"],
+        # stages of 13 blocks, every 2nd checkpointed: stage 1 starts at an odd layer id (13)
+        ["mesh.dp_shard=2", "mesh.pp=2", "model.n_layers=26", "activation_checkpoint.mode=selective"],
+        # one rank holds stages of 10 and 8 blocks (Interleaved1F1B: stages 0 and 2 of 4)
+        [
+            "mesh.dp_shard=2",
+            "mesh.pp=2",
+            "model.n_layers=34",
+            "pp.schedule=Interleaved1F1B",
+            "pp.stages_per_rank=2",
+            "pp.layers_per_stage=[10,8,8,8]",
+        ],
     ],
-    ids=["hsdp_full_ac", "tp2_pp2_qwen3_tied", "dp2_pp2_interleaved", "pp2_selective_ac_odd_stage"],
+    ids=[
+        "hsdp_full_ac",
+        "tp2_pp2_qwen3_tied",
+        "dp2_pp2_interleaved",
+        "pp2_selective_ac_odd_stage",
+        "interleaved_unequal_stages",
+    ],
 )
 def test_a_deep_stage_traced_shallow_and_extrapolated_matches_its_full_trace(layout):
     """Deep stages are traced shallow and one period deeper, and extrapolated: within 1% of

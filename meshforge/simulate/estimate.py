@@ -64,7 +64,7 @@ class Extrapolated:
 
     def result(self) -> dict:
         low, high = self.low.result(), self.high.result()
-        return {k: round(low[k] + (high[k] - low[k]) * self.factor) for k in low}
+        return {k: max(0, round(low[k] + (high[k] - low[k]) * self.factor)) for k in low}
 
 
 def submit_trace(recipe: Recipe, rank: int, pool):
@@ -88,13 +88,18 @@ def submit_trace(recipe: Recipe, rank: int, pool):
         else [0]
     )
     grown = [s for s in mine if low[s] < counts[s]]
+    # every grown stage of the rank lacks the same number of blocks, so the extrapolation is
+    # exact whatever each stage's own slope (interleaved stages keep different microbatches alive)
+    missing = min((counts[s] - low[s] for s in grown), default=0)
+    for s in grown:
+        low[s] = counts[s] - missing
+        high[s] = low[s] + period
     if sum(low[s] + high[s] for s in mine) >= sum(counts[s] for s in mine):  # no cheaper
         return pool.submit(trace_rank, recipe, rank)
     low_trace, high_trace = (
         pool.submit(trace_rank, _with_stage_blocks(recipe, dims, c), rank) for c in (low, high)
     )
-    periods = sum(counts[s] - low[s] for s in grown) / (len(grown) * period)  # `high` adds one to each
-    return Extrapolated(low_trace, high_trace, periods)
+    return Extrapolated(low_trace, high_trace, missing / period)  # `high` adds one period to each
 
 
 def stage_layout_of(recipe: Recipe, dims: ParallelDims) -> list[list[int]]:
