@@ -59,12 +59,12 @@ MIN_SHALLOW_PERIODS = 2
 class Extrapolated:
     """Two shallow traces of a rank (futures), extrapolated to the real depth by `result()`."""
 
-    def __init__(self, low, high, blocks_beyond_low: float):
-        self.low, self.high, self.factor = low, high, blocks_beyond_low
+    def __init__(self, low, high, periods: float):
+        self.low, self.high, self.periods = low, high, periods
 
     def result(self) -> dict:
         low, high = self.low.result(), self.high.result()
-        return {k: max(0, round(low[k] + (high[k] - low[k]) * self.factor)) for k in low}
+        return {k: max(0, round(low[k] + (high[k] - low[k]) * self.periods)) for k in low}
 
 
 def submit_trace(recipe: Recipe, rank: int, pool):
@@ -79,7 +79,6 @@ def submit_trace(recipe: Recipe, rank: int, pool):
     period = ac.selective_every if ac.mode == "selective" else 1
     least = MIN_SHALLOW_PERIODS * period
     low = [min(n, least + (n - least) % period) for n in counts]
-    high = [lo + period if lo < n else n for lo, n in zip(low, counts)]
     mine = (
         stage_ids_for_rank(
             dims.coordinate(rank)["pp"], dims.pp, recipe.pp.stages_per_rank, recipe.pp.schedule
@@ -93,7 +92,7 @@ def submit_trace(recipe: Recipe, rank: int, pool):
     missing = min((counts[s] - low[s] for s in grown), default=0)
     for s in grown:
         low[s] = counts[s] - missing
-        high[s] = low[s] + period
+    high = [lo + period if lo < n else n for lo, n in zip(low, counts)]
     if sum(low[s] + high[s] for s in mine) >= sum(counts[s] for s in mine):  # no cheaper
         return pool.submit(trace_rank, recipe, rank)
     low_trace, high_trace = (

@@ -10,7 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshforge.run.launch.rank_server import under_torchrun  # noqa: F401  (light: the CLI asks it before torch)
+# defined in the light rank_server module: the CLI asks it before importing torch
+from meshforge.run.launch.rank_server import under_torchrun
 
 # Collective timeout: long enough for a slow first compile, short enough that a dead
 # rank ends the job instead of hanging it.
