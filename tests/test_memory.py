@@ -93,13 +93,6 @@ DEEP = ["model.n_layers=8", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1
             "fsdp.reshard_after_forward=false",
         ],
         ["mesh.tp=2", "mesh.pp=2", "model.n_layers=12", "model.name=qwen3", "model.tie_embeddings=true"],
-        [
-            "mesh.dp_shard=2",
-            "mesh.pp=2",
-            "model.n_layers=24",
-            "pp.schedule=Interleaved1F1B",
-            "pp.stages_per_rank=2",
-        ],
         # stages of 13 blocks, every 2nd checkpointed: stage 1 starts at an odd layer id (13)
         ["mesh.dp_shard=2", "mesh.pp=2", "model.n_layers=26", "activation_checkpoint.mode=selective"],
         # one rank holds stages of 10 and 8 blocks (Interleaved1F1B: stages 0 and 2 of 4)
@@ -115,7 +108,6 @@ DEEP = ["model.n_layers=8", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1
     ids=[
         "hsdp_full_ac",
         "tp2_pp2_qwen3_tied",
-        "dp2_pp2_interleaved",
         "pp2_selective_ac_odd_stage",
         "interleaved_unequal_stages",
     ],
