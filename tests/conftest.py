@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -15,6 +17,7 @@ RECIPES = REPO / "recipes"
 # W&B never touches the network in tests; tests that check W&B opt into offline mode.
 os.environ["WANDB_MODE"] = "disabled"
 os.environ.setdefault("WANDB_SILENT", "true")
+os.environ["PYTHONUNBUFFERED"] = "1"  # as cli_env: the rank server launch_here starts inherits it
 
 
 def cli_env(**extra: str) -> dict:
@@ -33,6 +36,26 @@ def run_cli(
     return subprocess.run(
         [str(exe), *args], cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def launch_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`run_recipe ARGS` from `cwd` for a launch of several CPU ranks, run in this test process:
+    the same code from the arguments to the ranks' exit, and ranks forked from the rank server as
+    always (never from this process), but the server (torch and the trainer imported) starts once
+    per test session instead of once per launch, which was three quarters of a small launch here.
+    What a user's terminal shows, signals and exit codes of the program: `run_cli`."""
+    from meshforge.cli import _split_positionals, run_recipe_main
+    from meshforge.configs import load_config
+    from meshforge.run.launch.rank_server import forks_cpu_ranks
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd):
+        assert forks_cpu_ranks(load_config(*_split_positionals(args))[0]), (
+            f"not a launch of several CPU ranks (it would train in the test process): run_cli {args}"
+        )
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_recipe_main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 LOG_LEVEL_ENV = "MESHFORGE_LOG_LEVEL"  # also how a launcher hands its level to the ranks
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a message is logged, not when logging was set up: a
+    caller that redirects stderr around an in-process run (a notebook, a test) gets the messages."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):  # StreamHandler.__init__ assigns one; the property is the stream
+        pass
 
 
 def setup_logging(level: str | None = None) -> None:
@@ -14,7 +28,7 @@ def setup_logging(level: str | None = None) -> None:
     logger = logging.getLogger("meshforge")
     logger.setLevel(level.upper())
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("%(levelname)s meshforge: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
