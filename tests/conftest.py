@@ -38,23 +38,25 @@ def run_cli(
     )
 
 
-def launch_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """`run_recipe ARGS` from `cwd` for a launch of several CPU ranks, run in this test process:
-    the same code from the arguments to the ranks' exit, and ranks forked from the rank server as
-    always (never from this process), but the server (torch and the trainer imported) starts once
-    per test session instead of once per launch, which was three quarters of a small launch here.
-    What a user's terminal shows, signals and exit codes of the program: `run_cli`."""
+def run_recipe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`run_recipe ARGS` from `cwd`, for tests that read a run's records. A launch of several CPU
+    ranks runs in this test process: the same code from the arguments to the ranks' exit, ranks
+    forked from the rank server as always (never from this process), but the server (torch and
+    the trainer imported) starts once per test session instead of once per launch, which was
+    three quarters of a small launch here. Its ranks see the environment the server started with,
+    so a test that sets variables, or reads the program's terminal, signals or exit, uses
+    `run_cli`, as does a one-process run (it would train in the test process)."""
     from meshforge.cli import _split_positionals, run_recipe_main
     from meshforge.configs import load_config
     from meshforge.run.launch.rank_server import forks_cpu_ranks
 
-    out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(cwd):
-        assert forks_cpu_ranks(load_config(*_split_positionals(args))[0]), (
-            f"not a launch of several CPU ranks (it would train in the test process): run_cli {args}"
-        )
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run_recipe_main(args)
+        several_ranks = forks_cpu_ranks(load_config(*_split_positionals(args))[0])
+    if not several_ranks:
+        return run_cli(args, cwd)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_recipe_main(args)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

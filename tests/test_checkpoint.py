@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
+from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli, run_recipe
 
 from meshforge.core.errors import CheckpointNotFound
 from meshforge.run.checkpoint.dcp import committed, resolve_load
@@ -91,7 +91,7 @@ def _losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 def reference(tmp_path_factory):
     """An uninterrupted FSDP-4 run with checkpoints at steps 5 and 10."""
     out = tmp_path_factory.mktemp("ckpt")
-    proc = run_cli(_args(out, "ref", "mesh.dp_shard=4", *CKPT), cwd=out)
+    proc = run_recipe(_args(out, "ref", "mesh.dp_shard=4", *CKPT), cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "ref"
 
@@ -149,7 +149,7 @@ def test_async_checkpoint_commits_as_soon_as_written_survives_a_kill_mid_write_a
 )
 def test_resume_on_another_mesh(reference, tmp_path, mesh):
     step5 = reference / "checkpoints" / "step-00000005"
-    proc = run_cli(_args(tmp_path, "moved", *mesh, f"checkpoint.load={step5}"), cwd=tmp_path)
+    proc = run_recipe(_args(tmp_path, "moved", *mesh, f"checkpoint.load={step5}"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, ref = _losses(tmp_path / "moved"), _losses(reference)
     assert sorted(got) == list(range(6, 11))
@@ -388,7 +388,7 @@ def test_a_tied_model_saved_on_pp2_stores_one_weight_and_resumes_on_tp2_and_one_
     from torch.distributed.checkpoint import FileSystemReader
 
     tied = ["model.tie_embeddings=true", *CKPT]
-    proc = run_cli(_args(tmp_path, "pp2", "mesh.pp=2", *tied), cwd=tmp_path)
+    proc = run_recipe(_args(tmp_path, "pp2", "mesh.pp=2", *tied), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step5 = tmp_path / "pp2" / "checkpoints" / "step-00000005"
     keys = set(FileSystemReader(str(step5)).read_metadata().state_dict_metadata)
@@ -396,7 +396,7 @@ def test_a_tied_model_saved_on_pp2_stores_one_weight_and_resumes_on_tp2_and_one_
     assert not [k for k in keys if "output.weight" in k]  # one copy, one optimizer state
     ref = _losses(tmp_path / "pp2")
     for name, mesh in (("tp2", ["mesh.tp=2"]), ("one", [])):
-        proc = run_cli(_args(tmp_path, name, *mesh, *tied, f"checkpoint.load={step5}"), cwd=tmp_path)
+        proc = run_recipe(_args(tmp_path, name, *mesh, *tied, f"checkpoint.load={step5}"), cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = _losses(tmp_path / name)
         assert sorted(got) == list(range(6, 11))

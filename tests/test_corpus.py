@@ -227,7 +227,7 @@ def test_training_on_a_corpus_resumes_with_the_next_token(tmp_path):
     checkpoint logs the uninterrupted run's losses for steps 4-6 exactly (same mesh: the same
     windows, none twice, none skipped), and the checkpoint holds both ranks' positions; the
     held-out files' eval loss falls and is the same after the resume."""
-    from conftest import QUICK, RECIPES, read_metrics, run_cli
+    from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -259,12 +259,12 @@ def test_training_on_a_corpus_resumes_with_the_next_token(tmp_path):
         "checkpoint.enabled=true",
         "checkpoint.interval=3",
     ]
-    whole = run_cli([*args, "run_name=whole"], cwd=tmp_path)
+    whole = run_recipe([*args, "run_name=whole"], cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     step3 = tmp_path / "whole" / "checkpoints" / "step-00000003"
     meta = json.loads((step3 / "meta.json").read_text())["data_corpus"]
     assert meta["dp"] == 2 and [r["windows"] for r in meta["ranks"]] == [24, 24]  # 3 steps x 8 per rank
-    resumed = run_cli([*args, "run_name=resumed", f"checkpoint.load={step3}"], cwd=tmp_path)
+    resumed = run_recipe([*args, "run_name=resumed", f"checkpoint.load={step3}"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole")}
     again = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed")}

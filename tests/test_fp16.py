@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli
+from conftest import QUICK, RECIPES, cli_env, read_metrics, run_cli, run_recipe
 
 from meshforge.configs.schema import LossScaleConfig
 from meshforge.run.observe import wandb_files as wf
@@ -86,8 +86,12 @@ LOSS_TOL = 1e-3  # fp16 vs fp32 over 20 steps, measured: 4e-5 (tp 2, pp 2), 2.3e
 
 
 def _launch(out, name: str, overrides: list[str], env: dict | None = None):
+    """One run: the program when the test sets its environment, else conftest.run_recipe."""
     args = [str(RECIPES / "debug_cpu.toml"), *ONE_RANK, *QUICK, f"output_dir={out}", f"run_name={name}"]
-    proc = run_cli([*args, *overrides], cwd=out, env=env, timeout=600)
+    if env is None:
+        proc = run_recipe([*args, *overrides], cwd=out)
+    else:
+        proc = run_cli([*args, *overrides], cwd=out, env=env, timeout=600)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return read_metrics(out / name), proc
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from conftest import QUICK, RECIPES, read_metrics, run_cli  # noqa: E402
+from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe  # noqa: E402
 
 from meshforge.core.errors import UnsupportedConfig  # noqa: E402
 from meshforge.jax.bridge import jax_twin, state_to_pytree  # noqa: E402
@@ -273,7 +273,7 @@ def test_a_recipe_trains_from_hf_weights_on_a_3d_mesh_and_exports_back(tmp_path)
     folder = tmp_path / "qwen3-hf"
     hf = save_with_transformers("qwen3", dict(QWEN3, num_key_value_heads=2, intermediate_size=160), folder)
     run = tmp_path / "runs" / "from-hf"
-    proc = run_cli(
+    proc = run_recipe(
         [
             str(RECIPES / "debug_cpu.toml"),
             *QUICK,

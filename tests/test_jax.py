@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from conftest import QUICK, RECIPES, run_cli  # noqa: E402
+from conftest import QUICK, RECIPES, run_cli, run_recipe  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshforge.interop import weights  # noqa: E402
@@ -398,7 +398,7 @@ def test_every_shard_of_an_8_rank_gloo_run_matches_its_jax_device(tmp_path):
     from meshforge.simulate.sharding import rank_slices
 
     mesh_args = ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=2"]
-    proc = run_cli(
+    proc = run_recipe(
         [
             str(RECIPES / "debug_cpu.toml"),
             *QUICK,

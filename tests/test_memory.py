@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import QUICK, RECIPES, read_metrics, run_cli
+from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe
 
 from meshforge.core.units import GiB
 
@@ -19,7 +19,7 @@ THREE_D = ["mesh.dp_shard=2", "mesh.tp=2", "mesh.pp=2", "train.steps=3", "loggin
 def three_d(tmp_path_factory):
     """The default 3-D mesh (FSDP 2 x TP 2 x PP 2, 8 processes), 3 steps, step 2 tracked."""
     out = tmp_path_factory.mktemp("mem3d")
-    proc = run_cli(
+    proc = run_recipe(
         [
             str(RECIPES / "debug_cpu.toml"),
             *QUICK,
@@ -29,7 +29,6 @@ def three_d(tmp_path_factory):
             "logging.progress=true",
         ],
         cwd=out,
-        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "m", proc

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import REPO, read_metrics, run_cli
+from conftest import REPO, read_metrics, run_cli, run_recipe
 
 from meshforge.core.errors import UsageError
 from meshforge.migrate import ImportRefused, import_config
@@ -255,7 +255,7 @@ def test_imported_recipes_run(tmp_path):
             ["import-config", str(src), *flags, "--out", str(out)], cwd=tmp_path, program="meshforge"
         )
         assert proc.returncode == 0, proc.stderr
-        run = run_cli(
+        run = run_recipe(
             [str(out), "train.steps=4", "train.seq_len=32", "logging.wandb=false", f"output_dir={tmp_path}"],
             cwd=tmp_path,
         )

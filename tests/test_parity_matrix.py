@@ -1,6 +1,6 @@
 """Loss parity across mesh shapes: every configuration, launched as a user launches it (one
 `run_recipe` per configuration, gloo on CPU; the launches of several ranks from this process,
-conftest.launch_here, the 1-process runs as programs), must reproduce the 1-rank run's per-step
+conftest.run_recipe, the 1-process runs as programs), must reproduce the 1-rank run's per-step
 loss AND grad norm for 6 steps from the same initial weights (fp32: 1e-5; bf16: 1e-2): a
 layout that changes the math shows on the first step. The global batch is fixed at 16 samples,
 so every mesh sees the same data each step. No memory-tracking step: what it costs a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import QUICK, RECIPES, launch_here, read_metrics, run_cli
+from conftest import QUICK, RECIPES, read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -133,8 +133,8 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
 }
 
 
-def _launch(out, name: str, overrides: list[str], ranks: bool = True):
-    proc = (launch_here if ranks else run_cli)(
+def _launch(out, name: str, overrides: list[str]):
+    proc = run_recipe(
         [
             str(RECIPES / "debug_cpu.toml"),
             *ONE_RANK,
@@ -175,7 +175,7 @@ def baselines(out):
 def test_matches_one_rank(name, out, baselines):
     overrides, model_overrides, tol = CONFIGS[name]
     base = baselines(model_overrides)
-    rows, info = _launch(out, name, overrides, ranks=not name.startswith("one_process"))
+    rows, info = _launch(out, name, overrides)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, base))
     gn_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(rows, base))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import QUICK, RECIPES, read_metrics, run_cli
+from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe
 
 from meshforge.parallelisms.pp import bubble_fraction_gpipe
 from meshforge.parallelisms.pp_actions import bubble_fraction, simulate, single_stage_actions
@@ -66,7 +66,7 @@ def test_cli_draws_the_schedule(tmp_path):
 
 @pytest.mark.slow
 def test_a_pipelined_run_draws_its_schedule(tmp_path):
-    proc = run_cli(
+    proc = run_recipe(
         [
             str(RECIPES / "debug_cpu.toml"),
             *QUICK,
