@@ -1,13 +1,16 @@
-"""Shared helpers: run the real CLI in a subprocess and read back its records."""
+"""Shared helpers: run the real programs and read back their records."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ RECIPES = REPO / "recipes"
 # W&B never touches the network in tests; tests that check W&B opt into offline mode.
 os.environ["WANDB_MODE"] = "disabled"
 os.environ.setdefault("WANDB_SILENT", "true")
-os.environ["PYTHONUNBUFFERED"] = "1"  # as cli_env: the rank server launch_here starts inherits it
+os.environ["PYTHONUNBUFFERED"] = "1"  # as cli_env: the session's rank server inherits it
 
 
 def cli_env(**extra: str) -> dict:
@@ -28,14 +31,62 @@ def cli_env(**extra: str) -> dict:
     return env
 
 
+# what an interpreter (and torch) read when they start: a program whose environment changes one of
+# these runs in a new interpreter, where it takes effect (a sitecustomize hook on PYTHONPATH)
+READ_AT_START = ("PYTHON", "TORCH", "OMP_", "MKL_", "LD_")
+
+
+_server_env: dict[str, str] = {}  # the environment the rank server started with
+
+
+def start_rank_server() -> None:
+    """The session's rank server (multiprocessing's forkserver, one per process), with what the
+    ranks of run_recipe's launches and the programs of run_cli's need imported."""
+    multiprocessing.set_forkserver_preload(["meshforge.run.launch.local", "meshforge.cli", "forked_program"])
+    multiprocessing.forkserver.ensure_running()
+    _server_env.update(_server_env or os.environ)
+
+
 def run_cli(
-    args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None, program: str = "run_recipe"
+    args: list[str],
+    cwd: Path,
+    timeout: int = 600,
+    env: dict | None = None,
+    program: str = "run_recipe",
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `run_recipe ARGS` (or `meshforge ARGS`) as a user would, from `cwd`."""
+    """Run `run_recipe ARGS` (or `meshforge ARGS`) as a user would, from `cwd`: the installed
+    program's entry point, with these arguments, environment, working folder and output streams,
+    in a process forked from the session's rank server (torch and meshforge imported once: a new
+    interpreter spends 3 to 5 s importing them here). `fresh`, or an environment that changes
+    what an interpreter reads when it starts (READ_AT_START), runs the program in a new
+    interpreter: the tests of the terminal as a user sees it, of the README's commands as
+    written, and of hooks installed through PYTHONPATH."""
+    env = env or cli_env()
     exe = Path(sys.executable).parent / program
-    return subprocess.run(
-        [str(exe), *args], cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout
-    )
+    start_rank_server()
+    if fresh or any(
+        k.startswith(READ_AT_START) and env.get(k) != _server_env.get(k) for k in {*env, *_server_env}
+    ):
+        return subprocess.run(
+            [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    from forked_program import run_program
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        process = multiprocessing.get_context("forkserver").Process(
+            target=run_program, args=(str(exe), args, str(cwd), env, str(out), str(err))
+        )
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired([program, *args], timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(
+            [program, *args], process.exitcode, out.read_text(), err.read_text()
+        )
 
 
 def run_recipe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -54,6 +105,7 @@ def run_recipe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
         several_ranks = forks_cpu_ranks(load_config(*_split_positionals(args))[0])
     if not several_ranks:
         return run_cli(args, cwd)
+    start_rank_server()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = run_recipe_main(args)

@@ -1,4 +1,5 @@
-"""What the terminal shows: the real 8-process default run's, and a quiet run's."""
+"""What the terminal shows: the real 8-process default run's, and a quiet run's (each program
+started fresh, as a user starts it: whatever its imports print is on the terminal too)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
 def test_the_default_run_s_terminal(tmp_path):
     """`run_recipe` as the README runs it (8 processes): the banner names the mesh, the
     progress lines have an ETA, no rank prefixes, each warning at most once, whole paths."""
-    proc = run_cli(["train.steps=6"], cwd=tmp_path, env=cli_env(WANDB_MODE="offline"))
+    proc = run_cli(["train.steps=6"], cwd=tmp_path, env=cli_env(WANDB_MODE="offline"), fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "on 8 x cpu [pp=2, dp_replicate=1, dp_shard=2, tp=2]" in out
@@ -34,10 +35,10 @@ def test_the_default_run_s_terminal(tmp_path):
 
 def test_quiet_runs_show_nothing_but_meshforge_s_own_messages(tmp_path):
     args = [str(RECIPES / "debug_cpu.toml"), *ONE_RANK, *QUICK, "train.steps=2", "run_name=q", "--quiet"]
-    first = run_cli(args, cwd=tmp_path)
+    first = run_cli(args, cwd=tmp_path, fresh=True)
     assert first.returncode == 0 and first.stdout == "", first.stdout + first.stderr[-2000:]
-    second = run_cli([*args, "--log-level", "info"], cwd=tmp_path)  # the same run name again
+    second = run_cli([*args, "--log-level", "info"], cwd=tmp_path, fresh=True)  # the same run name again
     assert second.returncode == 0 and second.stdout == ""
     assert "INFO meshforge: an earlier run's records were moved to outputs/q." in second.stderr
-    third = run_cli([*args, "--log-level", "warning"], cwd=tmp_path)
+    third = run_cli([*args, "--log-level", "warning"], cwd=tmp_path, fresh=True)
     assert "records were moved" not in third.stderr  # below the level

@@ -303,7 +303,7 @@ def test_text_cpu_learns_the_shipped_corpus(tmp_path):
     from conftest import RECIPES, read_metrics, run_cli
 
     args = [str(RECIPES / "text_cpu.toml"), "train.steps=40", "eval.every=20", "logging.wandb=false"]
-    proc = run_cli([*args, f"output_dir={tmp_path}"], cwd=tmp_path)
+    proc = run_cli([*args, f"output_dir={tmp_path}"], cwd=tmp_path, fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "text_cpu")
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]

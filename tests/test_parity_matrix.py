@@ -163,9 +163,7 @@ def baselines(out):
     def get(model_overrides: list[str]) -> list[dict]:
         key = tuple(model_overrides)
         if key not in cache:
-            cache[key] = _launch(
-                out, "base" + "".join(x.replace("=", "") for x in key), model_overrides, ranks=False
-            )[0]
+            cache[key] = _launch(out, "base" + "".join(x.replace("=", "") for x in key), model_overrides)[0]
         return cache[key]
 
     return get
