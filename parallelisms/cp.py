@@ -1,0 +1,101 @@
+"""Context parallelism: every sequence split over the cp ranks, attention computed across them.
+
+Written for gloo as for NCCL: torch 2.13's `context_parallel` has no sharding rule for the CPU
+attention kernel, so the attention here calls `scaled_dot_product_attention` on local tensors
+and moves K/V (or heads) with functional collectives, whose backward is the matching collective.
+
+Load balance: a sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r (head
+and tail), so under the causal mask every rank has the same attention work. Inputs, labels and
+RoPE positions are sharded the same way (`shard_sequence`, `positions`).
+
+Two methods (`cp.method`):
+- allgather: K and V are all-gathered over cp; the local queries attend to the whole sequence
+  with the causal mask of their own positions (the backward reduce-scatters dK, dV).
+- alltoall (DeepSpeed Ulysses): all-to-all from sequence-sharded to head-sharded, attention over
+  the whole sequence on n_heads / cp heads, all-to-all back. Needs the heads (and kv heads) on
+  each rank divisible by cp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed import _functional_collectives as funcol
+
+METHODS = ("allgather", "alltoall")
+
+
+def chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp) that `rank` holds: the head one and its mirror at the tail."""
+    return rank, 2 * cp - 1 - rank
+
+
+def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The sequence positions `rank` holds, in the order it holds them (its two chunks)."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks_of(rank, cp)])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """`rank`'s part of `x` along its sequence dimension `dim` (its head and tail chunks)."""
+    parts = x.chunk(2 * cp, dim=dim)
+    return torch.cat([parts[c] for c in chunks_of(rank, cp)], dim=dim)
+
+
+def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """The positions of a sequence gathered over cp in rank order (what an all-gather returns)."""
+    return torch.cat([positions(seq_len, cp, r) for r in range(cp)])
+
+
+def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """True where the query at a position may read the key at another: keys at or before it."""
+    return query_pos[:, None] >= key_pos[None, :]
+
+
+def allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence. q: (B, H, S/cp, hd),
+    k and v: (B, KVH, S/cp, hd), each this rank's head and tail chunks; returns q's shape."""
+    seq_len = q.shape[2] * cp
+    k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
+    v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
+    mask = _causal_mask(positions(seq_len, cp, rank), gathered_positions(seq_len, cp)).to(q.device)
+    return F.scaled_dot_product_attention(
+        q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def _heads_to_sequence(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
+    """(B, H, S/cp, hd) sequence-sharded -> (B, H/cp, S, hd) head-sharded, S in rank order."""
+    b, h, s, d = x.shape
+    blocks = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, S/cp, hd)
+    got = funcol.all_to_all_single_autograd(blocks, None, None, group)  # block i from rank i
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
+    """The inverse of `_heads_to_sequence`."""
+    b, hc, s_all, d = x.shape
+    blocks = (
+        x.reshape(b, hc, cp, s_all // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    )  # (cp, B, H/cp, S/cp, hd)
+    got = funcol.all_to_all_single_autograd(blocks, None, None, group)  # rank i's heads, my positions
+    return got.transpose(0, 1).reshape(b, cp * hc, s_all // cp, d)
+
+
+def alltoall_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
+) -> torch.Tensor:
+    """Ulysses: the same result as `allgather_attention`, moving heads instead of K/V."""
+    seq_len = q.shape[2] * cp
+    qh, kh, vh = (_heads_to_sequence(t, group, cp) for t in (q, k, v))
+    pos = gathered_positions(seq_len, cp).to(q.device)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=_causal_mask(pos, pos), enable_gqa=qh.shape[1] != kh.shape[1]
+    )
+    return _sequence_to_heads(out, group, cp)
+
+
+ATTENTION = {"allgather": allgather_attention, "alltoall": alltoall_attention}
