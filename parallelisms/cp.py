@@ -8,7 +8,7 @@ Load balance: a sequence is cut into 2 x cp chunks and rank r holds chunks r and
 and tail), so under the causal mask every rank has the same attention work. Inputs, labels and
 RoPE positions are sharded the same way (`shard_sequence`, `positions`).
 
-Two methods (`cp.method`):
+Two methods (the recipe's choice once cp is a mesh dimension, issue 25):
 - allgather: K and V are all-gathered over cp; the local queries attend to the whole sequence
   with the causal mask of their own positions (the backward reduce-scatters dK, dV).
 - alltoall (DeepSpeed Ulysses): all-to-all from sequence-sharded to head-sharded, attention over
@@ -22,8 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
-
-METHODS = ("allgather", "alltoall")
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -48,6 +46,30 @@ def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
     return torch.cat([positions(seq_len, cp, r) for r in range(cp)])
 
 
+def shape_problems(seq_len: int, heads: int, kv_heads: int, cp: int, method: str) -> list[str]:
+    """Why `method` cannot split these shapes over `cp` ranks (none when it can); `heads` and
+    `kv_heads` are those of one tensor-parallel rank."""
+    problems = []
+    if method not in ATTENTION:
+        problems.append(f"method {method!r}: one of {', '.join(ATTENTION)}")
+    if seq_len % (2 * cp):
+        problems.append(
+            f"seq_len {seq_len}: cp {cp} cuts it in {2 * cp} equal chunks, so a multiple of {2 * cp}"
+        )
+    if method == "alltoall" and (heads % cp or kv_heads % cp):
+        problems.append(
+            f"alltoall gives each of the {cp} ranks whole heads: {heads} heads and {kv_heads} kv heads "
+            f"must both divide by {cp} (allgather has no such rule)"
+        )
+    return problems
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, cp: int, method: str) -> None:
+    problems = shape_problems(q.shape[2] * cp, q.shape[1], k.shape[1], cp, method)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     """True where the query at a position may read the key at another: keys at or before it."""
     return query_pos[:, None] >= key_pos[None, :]
@@ -58,6 +80,7 @@ def allgather_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q: (B, H, S/cp, hd),
     k and v: (B, KVH, S/cp, hd), each this rank's head and tail chunks; returns q's shape."""
+    _check(q, k, cp, "allgather")
     seq_len = q.shape[2] * cp
     k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
     v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
@@ -67,7 +90,7 @@ def allgather_attention(
     )
 
 
-def _heads_to_sequence(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
+def _seq_sharded_to_head_sharded(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
     """(B, H, S/cp, hd) sequence-sharded -> (B, H/cp, S, hd) head-sharded, S in rank order."""
     b, h, s, d = x.shape
     blocks = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, S/cp, hd)
@@ -75,8 +98,8 @@ def _heads_to_sequence(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.T
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
 
-def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
-    """The inverse of `_heads_to_sequence`."""
+def _head_sharded_to_seq_sharded(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
+    """The inverse of `_seq_sharded_to_head_sharded`."""
     b, hc, s_all, d = x.shape
     blocks = (
         x.reshape(b, hc, cp, s_all // cp, d).permute(2, 0, 1, 3, 4).contiguous()
@@ -88,14 +111,16 @@ def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.T
 def alltoall_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
 ) -> torch.Tensor:
-    """Ulysses: the same result as `allgather_attention`, moving heads instead of K/V."""
+    """Ulysses: the same result as `allgather_attention`, moving heads instead of K/V (`rank` is
+    unused: the all-to-all orders the sequence by rank, the same on every rank)."""
+    _check(q, k, cp, "alltoall")
     seq_len = q.shape[2] * cp
-    qh, kh, vh = (_heads_to_sequence(t, group, cp) for t in (q, k, v))
+    qh, kh, vh = (_seq_sharded_to_head_sharded(t, group, cp) for t in (q, k, v))
     pos = gathered_positions(seq_len, cp).to(q.device)
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=_causal_mask(pos, pos), enable_gqa=qh.shape[1] != kh.shape[1]
     )
-    return _sequence_to_heads(out, group, cp)
+    return _head_sharded_to_seq_sharded(out, group, cp)
 
 
 ATTENTION = {"allgather": allgather_attention, "alltoall": alltoall_attention}

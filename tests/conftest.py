@@ -8,9 +8,11 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,20 +33,19 @@ def cli_env(**extra: str) -> dict:
     return env
 
 
-# what an interpreter (and torch) read when they start: a program whose environment changes one of
-# these runs in a new interpreter, where it takes effect (a sitecustomize hook on PYTHONPATH)
-READ_AT_START = ("PYTHON", "TORCH", "OMP_", "MKL_", "LD_")
+# What a test may set in a program's environment and still run it forked from the rank server:
+# variables read while the program runs. Anything else (PYTHONPATH's sitecustomize hooks, torch's
+# and OpenMP's settings, what a module reads when it is imported) needs a new interpreter.
+READ_WHILE_RUNNING = ("WANDB_", "HF_", "HOME", "PATH", "FAKE_SLURM_", "MESHFORGE_TEST_")
 
 
-_server_env: dict[str, str] = {}  # the environment the rank server started with
-
-
-def start_rank_server() -> None:
-    """The session's rank server (multiprocessing's forkserver, one per process), with what the
-    ranks of run_recipe's launches and the programs of run_cli's need imported."""
-    multiprocessing.set_forkserver_preload(["meshforge.run.launch.local", "meshforge.cli", "forked_program"])
+def start_session_rank_server() -> None:
+    """The session's rank server (multiprocessing's forkserver, one per process) with torch and the
+    trainer imported: the ranks of run_recipe's launches and run_cli's programs fork from it. The
+    consoles a program draws on are built after the fork (meshforge.cli is not preloaded), on the
+    program's own output files."""
+    multiprocessing.set_forkserver_preload(["meshforge.run.launch.local", "forked_program"])
     multiprocessing.forkserver.ensure_running()
-    _server_env.update(_server_env or os.environ)
 
 
 def run_cli(
@@ -55,24 +56,23 @@ def run_cli(
     program: str = "run_recipe",
     fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `run_recipe ARGS` (or `meshforge ARGS`) as a user would, from `cwd`: the installed
-    program's entry point, with these arguments, environment, working folder and output streams,
-    in a process forked from the session's rank server (torch and meshforge imported once: a new
-    interpreter spends 3 to 5 s importing them here). `fresh`, or an environment that changes
-    what an interpreter reads when it starts (READ_AT_START), runs the program in a new
-    interpreter: the tests of the terminal as a user sees it, of the README's commands as
-    written, and of hooks installed through PYTHONPATH."""
-    env = env or cli_env()
+    """Run `run_recipe ARGS` (or `meshforge ARGS`) from `cwd`: the installed script's entry point
+    with these arguments, environment and output files, in a process forked from the session's
+    rank server (a new interpreter spends 3 to 5 s importing torch and meshforge here). Its stdin
+    is empty and its imports were made by the server. `fresh`, or an environment that changes a
+    variable outside READ_WHILE_RUNNING, runs the script in a new interpreter, as a user starts it:
+    the tests of the terminal, of the README's commands as written and of PYTHONPATH hooks."""
+    default = cli_env()
+    env = env or default
+    changed = {k for k in {*env, *default} if env.get(k) != default.get(k)}
     exe = Path(sys.executable).parent / program
-    start_rank_server()
-    if fresh or any(
-        k.startswith(READ_AT_START) and env.get(k) != _server_env.get(k) for k in {*env, *_server_env}
-    ):
+    if fresh or not all(k.startswith(READ_WHILE_RUNNING) for k in changed):
         return subprocess.run(
             [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
     from forked_program import run_program
 
+    start_session_rank_server()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         process = multiprocessing.get_context("forkserver").Process(
@@ -89,26 +89,45 @@ def run_cli(
         )
 
 
-def run_recipe(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def run_recipe(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """`run_recipe ARGS` from `cwd`, for tests that read a run's records. A launch of several CPU
     ranks runs in this test process: the same code from the arguments to the ranks' exit, ranks
-    forked from the rank server as always (never from this process), but the server (torch and
-    the trainer imported) starts once per test session instead of once per launch, which was
-    three quarters of a small launch here. Its ranks see the environment the server started with,
-    so a test that sets variables, or reads the program's terminal, signals or exit, uses
-    `run_cli`, as does a one-process run (it would train in the test process)."""
+    forked from the session's rank server as always (never from this process), which starts once
+    per session instead of once per launch (three quarters of a small launch here). Past `timeout`
+    the launch is stopped as Ctrl-C stops it (a second one kills the ranks) and TimeoutExpired
+    raised. The ranks see the environment the server started with, and stdout/stderr hold what
+    the launcher printed (not its warnings, nor what C++ wrote): a test that sets variables, or
+    checks the terminal, signals or exit, uses `run_cli`, as does a one-process run (it would
+    train in the test process)."""
     from meshforge.cli import _split_positionals, run_recipe_main
+    from meshforge.cli.parsers import run_parser
     from meshforge.configs import load_config
     from meshforge.run.launch.rank_server import forks_cpu_ranks
 
+    items = run_parser().parse_intermixed_args(args).items
     with contextlib.chdir(cwd):
-        several_ranks = forks_cpu_ranks(load_config(*_split_positionals(args))[0])
+        several_ranks = forks_cpu_ranks(load_config(*_split_positionals(items))[0])
     if not several_ranks:
-        return run_cli(args, cwd)
-    start_rank_server()
+        return run_cli(args, cwd, timeout)
+    start_session_rank_server()
+    fired = []
+
+    def interrupt() -> None:
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    stops = [threading.Timer(t, interrupt) for t in (timeout, timeout + 60)]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = run_recipe_main(args)
+    try:
+        for stop in stops:
+            stop.start()
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_recipe_main(args)
+    finally:
+        for stop in stops:
+            stop.cancel()
+    if fired:
+        raise subprocess.TimeoutExpired(args, timeout, out.getvalue(), err.getvalue())
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

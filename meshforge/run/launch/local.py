@@ -20,6 +20,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -69,6 +70,21 @@ def _quiet_rank_failures():
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _torch_launcher_leaves_nothing():
+    """torch's launcher sets TORCHELASTIC_SIGNALS_TO_HANDLE in this process's environment and its
+    own handlers for the signals it names (SIGHUP, SIGQUIT), and leaves both: restored when the
+    launch ends, for a caller that launches again or goes on with other work (ForwardStop owns
+    SIGTERM and SIGINT)."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        with mock.patch.dict(os.environ):
+            yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 # How long a rank whose peer vanished waits before it exits. torch's launcher reports only the
@@ -167,6 +183,7 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
             stop,
             RunWatcher(log_dir.parent, console, stop.started),
             _quiet_rank_failures(),
+            _torch_launcher_leaves_nothing(),
         ):
             elastic_launch(config, _worker)(recipe, launcher_env)
     except ChildFailedError as e:
