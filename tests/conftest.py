@@ -116,6 +116,9 @@ def run_recipe(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Com
         fired.append(True)
         os.kill(os.getpid(), signal.SIGINT)
 
+    handlers = {
+        s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    }
     stops = [threading.Timer(t, interrupt) for t in (timeout, timeout + 60)]
     out, err = io.StringIO(), io.StringIO()
     try:
@@ -128,6 +131,9 @@ def run_recipe(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Com
             stop.cancel()
     if fired:
         raise subprocess.TimeoutExpired(args, timeout, out.getvalue(), err.getvalue())
+    # the launcher leaves this process as it found it (a notebook launches again, a test goes on)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "a launch left its signal handlers"
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ, "a launch left torch's launcher settings"
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
