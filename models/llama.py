@@ -105,9 +105,11 @@ def apply_rotary_emb_half(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.T
 
 
 class Attention(nn.Module):
-    """Causal GQA attention. Subclasses change `norm_qk` (per-head norms) and `rope`."""
+    """Causal GQA attention. Subclasses change `norm_qk` (per-head norms) and `rope`; context
+    parallelism sets `attend` (q, k, v -> out, all (B, H, S, hd)) to attend across its ranks."""
 
     rope = staticmethod(apply_rotary_emb)
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -125,8 +127,10 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         xq, xk = self.rope(*self.norm_qk(xq, xk), freqs_cis[:seqlen])
         q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H, S, hd)
-        # GQA: query head h reads kv head h // (H / KVH), as repeat_interleave would
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.attend is not None:
+            out = self.attend(q, k, v)
+        else:  # GQA: query head h reads kv head h // (H / KVH), as repeat_interleave would
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, H * hd)
         return self.wo(out)
 
@@ -162,6 +166,9 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     attention: type[Attention] = Attention  # a family's subclass swaps its attention in
+    # the sequence positions of the tokens this rank holds, when context parallelism shards them
+    # (None: positions 0..S-1); RoPE rotates each token by its own position
+    rope_positions: torch.Tensor | None = None
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -180,8 +187,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) int -> logits (B, S, V); on a pipeline stage, hidden (B, S, D) in or out."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        freqs_cis = self.freqs_cis if self.rope_positions is None else self.freqs_cis[self.rope_positions]
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -18,8 +18,11 @@ Two methods (the recipe's choice once cp is a mesh dimension, issue 25):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
 
@@ -124,3 +127,18 @@ def alltoall_attention(
 
 
 ATTENTION = {"allgather": allgather_attention, "alltoall": alltoall_attention}
+
+
+def apply_cp(
+    model: nn.Module, group: ProcessGroup, cp: int, rank: int, method: str, seq_len: int, tp: int = 1
+) -> None:
+    """Make `model` (a Transformer, or one pipeline stage of it; its heads split over `tp`) attend
+    across the `cp` ranks of `group` and rotate its tokens by their positions: it then takes this
+    rank's head and tail chunks of every `seq_len`-token sequence (`shard_sequence`)."""
+    args = model.args
+    problems = shape_problems(seq_len, args.n_heads // tp, args.kv_heads // tp, cp, method)
+    if problems:
+        raise ValueError("; ".join(problems))
+    model.rope_positions = positions(seq_len, cp, rank).to(model.freqs_cis.device)
+    for block in model.layers.values():
+        block.attention.attend = functools.partial(ATTENTION[method], group=group, cp=cp, rank=rank)

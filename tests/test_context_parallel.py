@@ -52,7 +52,7 @@ def _inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, weight
 
 
-def _rank(rank: int, cp: int, method: str, heads: int, kv_heads: int, port: int, out: str) -> None:
+def _rank(rank: int, cp: int, port: int, method: str, heads: int, kv_heads: int, out: str) -> None:
     """One cp rank: its shards of the inputs, the method's attention and the grads of its shards."""
     import torch.distributed as dist
 
@@ -72,6 +72,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_ranks(target, cp: int, *args) -> None:
+    """`target(rank, cp, port, *args)` on `cp` gloo ranks forked from the session's rank server
+    (torch is imported there already); each must exit cleanly."""
+    start_session_rank_server()
+    port, ctx = _free_port(), multiprocessing.get_context("forkserver")
+    ranks = [ctx.Process(target=target, args=(r, cp, port, *args)) for r in range(cp)]
+    try:
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(120)
+    finally:
+        for p in ranks:
+            if p.exitcode is None:  # hung in a collective: ended here, not left to the session
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in ranks] == [0] * cp
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method,cp,heads,kv_heads",
@@ -88,25 +107,78 @@ def test_cp_attention_equals_one_process(tmp_path, method, cp, heads, kv_heads):
     (full * weight).sum().backward()
     expected = {"out": full.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
-    start_session_rank_server()  # the ranks fork from it: torch is imported there already
-    port, ctx = _free_port(), multiprocessing.get_context("forkserver")
-    ranks = [
-        ctx.Process(target=_rank, args=(r, cp, method, heads, kv_heads, port, str(tmp_path)))
-        for r in range(cp)
-    ]
-    try:
-        for p in ranks:
-            p.start()
-        for p in ranks:
-            p.join(120)
-    finally:
-        for p in ranks:
-            if p.exitcode is None:  # hung in a collective: ended here, not left to the session
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in ranks] == [0] * cp
+    _run_ranks(_rank, cp, method, heads, kv_heads, str(tmp_path))
     for r in range(cp):
         got = torch.load(tmp_path / f"rank{r}.pt")
         for name, value in expected.items():
             diff = (got[name] - shard_sequence(value, 2, cp, r)).abs().max().item()
             assert diff < 1e-5, (name, r, diff)
+
+
+# --- a whole model under cp -------------------------------------------------------------------
+
+MODEL_SEQ = 16
+
+
+def _model(family: str):
+    """A tiny model of `family`, the same weights on every rank (seeded init)."""
+    from meshforge.models.llama import LlamaArgs, Transformer
+    from meshforge.models.qwen3 import Qwen3Args, Qwen3Transformer
+
+    if family == "qwen3":  # QK-norm and half-split RoPE
+        args = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=48)
+        model = Qwen3Transformer(args)
+    else:
+        args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
+        model = Transformer(args)
+    model.init_weights(seed=0)
+    return model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (BATCH, MODEL_SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _summed_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), logits
+
+
+def _model_rank(rank: int, cp: int, port: int, method: str, family: str, out: str) -> None:
+    """One cp rank: this rank's tokens through the model; the loss and grads summed over cp."""
+    import torch.distributed as dist
+
+    from meshforge.parallelisms.cp import apply_cp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    try:
+        model = _model(family)
+        apply_cp(model, dist.group.WORLD, cp, rank, method, MODEL_SEQ)
+        tokens, labels = (shard_sequence(t, 1, cp, rank) for t in _batch())
+        loss, logits = _summed_loss(model, tokens, labels)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        for g in [loss.detach(), *grads.values()]:
+            dist.all_reduce(g)  # every token counted once: the cp ranks' sums add up to the whole
+        torch.save({"loss": loss.detach(), "logits": logits.detach(), "grads": grads}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,cp,family", [("allgather", 2, "llama3"), ("alltoall", 2, "qwen3"), ("allgather", 4, "qwen3")]
+)
+def test_a_model_under_cp_gives_one_process_loss_logits_and_grads(tmp_path, method, cp, family):
+    model = _model(family)
+    loss, logits = _summed_loss(model, *_batch())
+    loss.backward()
+    _run_ranks(_model_rank, cp, method, family, str(tmp_path))
+    for r in range(cp):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert abs(got["loss"].item() - loss.item()) < 1e-4 * loss.item()
+        assert (got["logits"] - shard_sequence(logits.detach(), 1, cp, r)).abs().max() < 1e-5
+        for name, p in model.named_parameters():
+            assert (got["grads"][name] - p.grad).abs().max() < 1e-5, (name, r)
