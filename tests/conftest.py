@@ -99,14 +99,11 @@ def run_recipe(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Com
     the launcher printed (not its warnings, nor what C++ wrote): a test that sets variables, or
     checks the terminal, signals or exit, uses `run_cli`, as does a one-process run (it would
     train in the test process)."""
-    from meshforge.cli import _split_positionals, run_recipe_main
+    from meshforge.cli import forks_local_ranks, run_recipe_main
     from meshforge.cli.parsers import run_parser
-    from meshforge.configs import load_config
-    from meshforge.run.launch.rank_server import forks_cpu_ranks
 
-    items = run_parser().parse_intermixed_args(args).items
     with contextlib.chdir(cwd):
-        several_ranks = forks_cpu_ranks(load_config(*_split_positionals(items))[0])
+        several_ranks = forks_local_ranks(run_parser().parse_intermixed_args(args))
     if not several_ranks:
         return run_cli(args, cwd, timeout)
     start_session_rank_server()

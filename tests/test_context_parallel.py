@@ -4,7 +4,7 @@ gloo ranks against one process's causal attention, forward and backward."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -52,11 +52,11 @@ def _inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, weight
 
 
-def _rank(rank: int, cp: int, port: int, method: str, heads: int, kv_heads: int, out: str) -> None:
+def _rank(rank: int, cp: int, store: str, method: str, heads: int, kv_heads: int, out: str) -> None:
     """One cp rank: its shards of the inputs, the method's attention and the grads of its shards."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
     try:
         q, k, v, weight = (shard_sequence(t, 2, cp, rank).requires_grad_() for t in _inputs(heads, kv_heads))
         attn = ATTENTION[method](q, k, v, dist.group.WORLD, cp, rank)
@@ -66,18 +66,12 @@ def _rank(rank: int, cp: int, port: int, method: str, heads: int, kv_heads: int,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(target, cp: int, *args) -> None:
-    """`target(rank, cp, port, *args)` on `cp` gloo ranks forked from the session's rank server
-    (torch is imported there already); each must exit cleanly."""
+    """`target(rank, cp, store, *args)` on `cp` gloo ranks forked from the session's rank server
+    (torch is imported there already), meeting through a new file store; each must exit cleanly."""
     start_session_rank_server()
-    port, ctx = _free_port(), multiprocessing.get_context("forkserver")
-    ranks = [ctx.Process(target=target, args=(r, cp, port, *args)) for r in range(cp)]
+    store, ctx = f"{tempfile.mkdtemp()}/store", multiprocessing.get_context("forkserver")
+    ranks = [ctx.Process(target=target, args=(r, cp, store, *args)) for r in range(cp)]
     try:
         for p in ranks:
             p.start()
@@ -146,13 +140,13 @@ def _summed_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), logits
 
 
-def _model_rank(rank: int, cp: int, port: int, method: str, family: str, out: str) -> None:
+def _model_rank(rank: int, cp: int, store: str, method: str, family: str, out: str) -> None:
     """One cp rank: this rank's tokens through the model; the loss and grads summed over cp."""
     import torch.distributed as dist
 
     from meshforge.parallelisms.cp import apply_cp
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
     try:
         model = _model(family)
         apply_cp(model, dist.group.WORLD, cp, rank, method, MODEL_SEQ)

@@ -29,6 +29,7 @@ def three_d(tmp_path_factory):
             "logging.progress=true",
         ],
         cwd=out,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "m", proc

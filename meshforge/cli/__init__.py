@@ -81,17 +81,25 @@ def _load(args: argparse.Namespace, world: int | None = None) -> Recipe:
     return load_recipe(recipe_arg, overrides, world_size=world)
 
 
-def _start_rank_server(args: argparse.Namespace) -> None:
-    """A run of several local CPU ranks: their server starts importing now, on another core,
-    while this process loads and checks the recipe (run/launch/rank_server.py)."""
+def forks_local_ranks(args: argparse.Namespace) -> bool:
+    """Whether `run_recipe ARGS` will fork several local CPU ranks, read before the recipe is
+    validated (False for a recipe that does not load: `_load` says what is wrong)."""
     from meshforge.configs import load_config
-    from meshforge.run.launch.rank_server import forks_cpu_ranks, start_rank_server
+    from meshforge.run.launch.rank_server import forks_cpu_ranks
 
     try:
         recipe, _ = load_config(*_split_positionals(args.items))
     except RecipeError:
-        return  # _load says what is wrong
-    if forks_cpu_ranks(recipe):
+        return False
+    return forks_cpu_ranks(recipe)
+
+
+def _start_rank_server(args: argparse.Namespace) -> None:
+    """A run of several local CPU ranks: their server starts importing now, on another core,
+    while this process loads and checks the recipe (run/launch/rank_server.py)."""
+    from meshforge.run.launch.rank_server import start_rank_server
+
+    if forks_local_ranks(args):
         start_rank_server()
 
 
