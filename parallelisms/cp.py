@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
+from torch.nn.attention.bias import causal_lower_right
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -42,11 +43,6 @@ def shard_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tenso
     """`rank`'s part of `x` along its sequence dimension `dim` (its head and tail chunks)."""
     parts = x.chunk(2 * cp, dim=dim)
     return torch.cat([parts[c] for c in chunks_of(rank, cp)], dim=dim)
-
-
-def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
-    """The positions of a sequence gathered over cp in rank order (what an all-gather returns)."""
-    return torch.cat([positions(seq_len, cp, r) for r in range(cp)])
 
 
 def shape_problems(seq_len: int, heads: int, kv_heads: int, cp: int, method: str) -> list[str]:
@@ -73,24 +69,49 @@ def _check(q: torch.Tensor, k: torch.Tensor, cp: int, method: str) -> None:
         raise ValueError("; ".join(problems))
 
 
-def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    """True where the query at a position may read the key at another: keys at or before it."""
-    return query_pos[:, None] >= key_pos[None, :]
+def _natural_order(cp: int) -> torch.Tensor:
+    """For each chunk of the sequence in order, its index in a gather over cp (rank order, two
+    chunks a rank): indexing the gathered chunks with it puts the sequence back in order."""
+    held = [c for r in range(cp) for c in chunks_of(r, cp)]
+    return torch.tensor([held.index(c) for c in range(2 * cp)])
+
+
+def _reorder_chunks(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`x` (B, H, S, hd) cut into len(order) chunks along S, taken in `order`."""
+    b, h, s, d = x.shape
+    chunks = x.reshape(b, h, len(order), s // len(order), d)
+    return chunks.index_select(2, order.to(x.device)).reshape(b, h, s, d)
 
 
 def allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q: (B, H, S/cp, hd),
-    k and v: (B, KVH, S/cp, hd), each this rank's head and tail chunks; returns q's shape."""
+    k and v: (B, KVH, S/cp, hd), each this rank's head and tail chunks; returns q's shape.
+
+    Each local chunk c attends to the keys of chunks 0..c with a lower-right causal mask (its
+    last query sees every one of them), so no (S/cp x S) mask is ever built and CUDA keeps its
+    flash kernel (`causal_lower_right`)."""
     _check(q, k, cp, "allgather")
-    seq_len = q.shape[2] * cp
-    k_all = funcol.all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
-    v_all = funcol.all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
-    mask = _causal_mask(positions(seq_len, cp, rank), gathered_positions(seq_len, cp)).to(q.device)
-    return F.scaled_dot_product_attention(
-        q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    order = _natural_order(cp)
+    k_all, v_all = (
+        _reorder_chunks(funcol.all_gather_single_autograd(t.contiguous(), gather_dim=2, group=group), order)
+        for t in (k, v)
     )
+    chunk, gqa = q.shape[2] // 2, q.shape[1] != k.shape[1]
+    outs = []
+    for slot, c in enumerate(chunks_of(rank, cp)):
+        seen = (c + 1) * chunk  # the keys of chunks 0..c
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, slot * chunk : (slot + 1) * chunk],
+                k_all[:, :, :seen],
+                v_all[:, :, :seen],
+                attn_mask=causal_lower_right(chunk, seen),
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(outs, dim=2)
 
 
 def _seq_sharded_to_head_sharded(x: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
@@ -117,13 +138,10 @@ def alltoall_attention(
     """Ulysses: the same result as `allgather_attention`, moving heads instead of K/V (`rank` is
     unused: the all-to-all orders the sequence by rank, the same on every rank)."""
     _check(q, k, cp, "alltoall")
-    seq_len = q.shape[2] * cp
-    qh, kh, vh = (_seq_sharded_to_head_sharded(t, group, cp) for t in (q, k, v))
-    pos = gathered_positions(seq_len, cp).to(q.device)
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=_causal_mask(pos, pos), enable_gqa=qh.shape[1] != kh.shape[1]
-    )
-    return _head_sharded_to_seq_sharded(out, group, cp)
+    order = _natural_order(cp)
+    qh, kh, vh = (_reorder_chunks(_seq_sharded_to_head_sharded(t, group, cp), order) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=qh.shape[1] != kh.shape[1])
+    return _head_sharded_to_seq_sharded(_reorder_chunks(out, torch.argsort(order)), group, cp)
 
 
 ATTENTION = {"allgather": allgather_attention, "alltoall": alltoall_attention}
@@ -139,6 +157,6 @@ def apply_cp(
     problems = shape_problems(seq_len, args.n_heads // tp, args.kv_heads // tp, cp, method)
     if problems:
         raise ValueError("; ".join(problems))
-    model.rope_positions = positions(seq_len, cp, rank).to(model.freqs_cis.device)
+    model.rope_positions = positions(seq_len, cp, rank)  # moved to freqs_cis' device in forward
     for block in model.layers.values():
         block.attention.attend = functools.partial(ATTENTION[method], group=group, cp=cp, rank=rank)
