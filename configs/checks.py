@@ -106,7 +106,7 @@ def resolve_mesh(r: Recipe, world_size: int | None) -> list[Problem]:
             Problem(
                 "mesh",
                 spelled,
-                f"dp_replicate*dp_shard*tp*pp = {known} but the world size is {world_size}; "
+                f"{'*'.join(MESH_DIMS)} = {known} but the world size is {world_size}; "
                 f"set one degree to -1 to take the rest, or run {known} processes",
             )
         ]
@@ -182,6 +182,15 @@ def check_backend(r: Recipe) -> list[Problem]:
                 "fsdp.param_dtype",
                 r.fsdp.param_dtype,
                 f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch",
+            )
+        )
+    if r.mesh.cp > 1:
+        problems.append(
+            Problem(
+                "mesh.cp",
+                r.mesh.cp,
+                f"{why}; context parallelism is torch-only: set mesh.cp=1 (and give its ranks to "
+                "dp_shard or tp) or backend=torch",
             )
         )
     c = r.checkpoint

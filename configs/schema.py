@@ -67,6 +67,11 @@ class ModelConfig:
 class MeshConfig:
     dp_replicate: int = F(1, "data-parallel replicas (DDP, or the outer dim of HSDP); -1 = the rest")
     dp_shard: int = F(-1, "FSDP shard degree; -1 = the rest of the world size")
+    cp: int = F(
+        1,
+        "context-parallel degree (every sequence split over cp ranks, attention across them; FSDP "
+        "shards over dp_shard x cp)",
+    )
     tp: int = F(1, "tensor-parallel degree (heads and FFN split across ranks)")
     pp: int = F(1, "pipeline-parallel degree (layers split into stages)")
 
@@ -107,6 +112,15 @@ class TPConfig:
     )
     loss_parallel: bool = F(
         True, "keep logits vocab-sharded and compute cross-entropy in parallel" + unread_with("mesh.tp = 1")
+    )
+
+
+@dataclass
+class CPConfig:
+    method: str = F(
+        "allgather",
+        "allgather (K and V gathered over cp, TorchTitan's) | alltoall (Ulysses: heads exchanged, "
+        "needs n_heads and kv_heads / tp divisible by cp)" + unread_with("mesh.cp = 1"),
     )
 
 
@@ -326,6 +340,7 @@ class Recipe:
     fsdp: FSDPConfig = F(FSDPConfig(), "FSDP2 policy")
     loss_scale: LossScaleConfig = F(LossScaleConfig(), "dynamic loss scaling (fsdp.param_dtype=float16)")
     tp: TPConfig = F(TPConfig(), "tensor-parallel policy")
+    cp: CPConfig = F(CPConfig(), "context-parallel policy")
     pp: PPConfig = F(PPConfig(), "pipeline-parallel policy")
     activation_checkpoint: ActivationCheckpointConfig = F(
         ActivationCheckpointConfig(), "activation checkpointing"

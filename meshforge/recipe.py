@@ -6,6 +6,7 @@ Every problem is reported at once (field, value, fix); -1 fields come back resol
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
+from meshforge.parallelisms.cp import ATTENTION, shape_problems
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
 
@@ -62,6 +64,7 @@ def check_choices(r: Recipe) -> list[Problem]:
             "fsdp.param_dtype": (r.fsdp.param_dtype, tuple(DTYPES)),
             "fsdp.reduce_dtype": (r.fsdp.reduce_dtype, tuple(DTYPES)),
             "pp.schedule": (r.pp.schedule, SCHEDULES),
+            "cp.method": (r.cp.method, tuple(ATTENTION)),
             "model.name": (r.model.name, tuple(MODELS)),
         }
     )
@@ -124,14 +127,35 @@ def check_shapes(r: Recipe, args, dims: ParallelDims | None) -> list[Problem]:
                 "the byte tokenizer (with BOS/EOS) needs vocab_size >= 258",
             )
         )
-    if dims is not None and dims.tp_enabled and r.tp.sequence_parallel and r.train.seq_len % dims.tp:
-        tp, seq = dims.tp, r.train.seq_len
+    if dims is not None:
+        problems += check_sequence_split(r, args, dims)
+    return problems
+
+
+def check_sequence_split(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
+    """What cp and sequence parallel need of the sequence and the heads: cp cuts it in 2 x cp
+    equal chunks (and Ulysses hands each cp rank whole heads of a tp rank's), then sequence
+    parallel splits each cp rank's part over tp."""
+    problems, seq, cp, tp = [], r.train.seq_len, dims.cp, dims.tp
+    if dims.cp_enabled and r.cp.method in ATTENTION:
+        for rule in shape_problems(seq, args.n_heads // tp, args.kv_heads // tp, cp, r.cp.method):
+            if rule.startswith("seq_len"):
+                near = seq - seq % (2 * cp) or 2 * cp
+                problems.append(Problem("train.seq_len", seq, f"mesh.cp={cp} needs {rule}, e.g. {near}"))
+            else:
+                heads = math.gcd(args.n_heads // tp, args.kv_heads // tp)
+                valid = [d for d in range(2, heads + 1) if heads % d == 0] or "none"
+                fix = f"mesh.cp among {valid} (with tp={tp}), or cp.method=allgather"
+                problems.append(Problem("cp.method", r.cp.method, f"{rule}: use {fix}"))
+    local = seq // cp
+    if dims.tp_enabled and r.tp.sequence_parallel and not problems and local % tp:
+        step = cp * tp
         problems.append(
             Problem(
                 "train.seq_len",
                 seq,
-                f"sequence parallel shards the sequence over tp={tp}: use a "
-                f"multiple of {tp}, e.g. {seq - seq % tp or tp}, or "
+                f"sequence parallel shards each cp rank's {local} tokens over tp={tp}: use a "
+                f"multiple of cp x tp = {step}, e.g. {seq - seq % step or step}, or "
                 "tp.sequence_parallel=false",
             )
         )

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
-from torch.nn.attention.bias import causal_lower_right
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshforge.configs.schema import CPConfig
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -83,6 +85,11 @@ def _reorder_chunks(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return chunks.index_select(2, order.to(x.device)).reshape(b, h, s, d)
 
 
+def _lower_right_causal(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """True where query i (the last n_queries of n_keys positions) may read key j: j <= i + offset."""
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries)
+
+
 def allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
 ) -> torch.Tensor:
@@ -90,8 +97,11 @@ def allgather_attention(
     k and v: (B, KVH, S/cp, hd), each this rank's head and tail chunks; returns q's shape.
 
     Each local chunk c attends to the keys of chunks 0..c with a lower-right causal mask (its
-    last query sees every one of them), so no (S/cp x S) mask is ever built and CUDA keeps its
-    flash kernel (`causal_lower_right`)."""
+    last query sees every one of them): the masks hold (2cp+1)/2cp x S x S/cp booleans, half of
+    one (S/cp x S) mask over the whole sequence. torch's `causal_lower_right` would spare them
+    (and keep CUDA's flash kernel), but creating it fails intermittently on torch 2.13 ("raw Tensor
+    object is already associated to a python object"); SDPA with a mask runs the memory-efficient
+    kernel on CUDA."""
     _check(q, k, cp, "allgather")
     order = _natural_order(cp)
     k_all, v_all = (
@@ -107,7 +117,7 @@ def allgather_attention(
                 q[:, :, slot * chunk : (slot + 1) * chunk],
                 k_all[:, :, :seen],
                 v_all[:, :, :seen],
-                attn_mask=causal_lower_right(chunk, seen),
+                attn_mask=_lower_right_causal(chunk, seen, q.device),
                 enable_gqa=gqa,
             )
         )
@@ -147,12 +157,11 @@ def alltoall_attention(
 ATTENTION = {"allgather": allgather_attention, "alltoall": alltoall_attention}
 
 
-def apply_cp(
-    model: nn.Module, group: ProcessGroup, cp: int, rank: int, method: str, seq_len: int, tp: int = 1
-) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, cfg: CPConfig, seq_len: int, tp: int = 1) -> None:
     """Make `model` (a Transformer, or one pipeline stage of it; its heads split over `tp`) attend
-    across the `cp` ranks of `group` and rotate its tokens by their positions: it then takes this
-    rank's head and tail chunks of every `seq_len`-token sequence (`shard_sequence`)."""
+    across the ranks of `cp_mesh` by `cfg.method` and rotate its tokens by their positions: it
+    then takes this rank's head and tail chunks of every `seq_len`-token sequence (`shard_sequence`)."""
+    group, cp, rank, method = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), cfg.method
     args = model.args
     problems = shape_problems(seq_len, args.n_heads // tp, args.kv_heads // tp, cp, method)
     if problems:
@@ -160,3 +169,11 @@ def apply_cp(
     model.rope_positions = positions(seq_len, cp, rank)  # moved to freqs_cis' device in forward
     for block in model.layers.values():
         block.attention.attend = functools.partial(ATTENTION[method], group=group, cp=cp, rank=rank)
+
+
+def sequence_shard(cp_mesh: DeviceMesh | None):
+    """What a step does to its inputs and labels (B, S): this cp rank's head and tail chunks of
+    every sequence (the identity without cp)."""
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return lambda x: x
+    return functools.partial(shard_sequence, dim=1, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())

@@ -2,6 +2,9 @@
 
 1. PP split  - cut the meta model into this rank's stages first: every later step then
                works on a stage exactly as on a whole model, and sees only its layers.
+   CP        - each stage's attention attends across the cp ranks and its RoPE takes their
+               positions (`Attention.attend`, `rope_positions`: attributes, not modules, so it
+               commutes with TP and FSDP); before compile, so the collectives are compiled in.
 2. TP        - turns Linear/Embedding weights into DTensors on the tp mesh; must come
                before FSDP, which shards those DTensors again over dp (2-D weights).
 3. AC        - wraps block forwards; inside FSDP's hooks so the recompute in backward
@@ -19,12 +22,20 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig, FSDPConfig, PPConfig, TPConfig
+from meshforge.configs.schema import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    CPConfig,
+    FSDPConfig,
+    PPConfig,
+    TPConfig,
+)
 from meshforge.core.topology import ParallelDims
 from meshforge.models import ModelSpec
 
 from .ac import apply_ac
 from .compile import apply_compile
+from .cp import apply_cp
 from .fsdp import apply_fsdp, fsdp_applies
 from .mesh import Meshes
 from .pp import pipeline_split
@@ -48,16 +59,21 @@ def parallelize(
     *,
     tp: TPConfig,
     pp: PPConfig,
+    cp: CPConfig,
+    seq_len: int,
     ac: ActivationCheckpointConfig,
     compile: CompileConfig,
     fsdp: FSDPConfig,
 ) -> ParallelModel:
-    """Apply PP -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc)."""
+    """Apply PP (+ CP) -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc);
+    `seq_len`: the tokens of one whole sequence, which cp splits."""
     if dims.pp_enabled:
         parts, ids, layout = pipeline_split(model, meshes.pp, pp)
     else:
         parts, ids, layout = [model], [0], [list(range(len(model.layers)))]
     for part in parts:
+        if dims.cp_enabled:
+            apply_cp(part, meshes.cp, cp, seq_len, dims.tp)
         if dims.tp_enabled:
             apply_tp(part, meshes.tp, tp, spec)
         apply_ac(part, ac)

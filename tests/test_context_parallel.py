@@ -143,13 +143,15 @@ def _summed_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def _model_rank(rank: int, cp: int, store: str, method: str, family: str, out: str) -> None:
     """One cp rank: this rank's tokens through the model; the loss and grads summed over cp."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
+    from meshforge.configs.schema import CPConfig
     from meshforge.parallelisms.cp import apply_cp
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
     try:
         model = _model(family)
-        apply_cp(model, dist.group.WORLD, cp, rank, method, MODEL_SEQ)
+        apply_cp(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), CPConfig(method), MODEL_SEQ)
         tokens, labels = (shard_sequence(t, 1, cp, rank) for t in _batch())
         loss, logits = _summed_loss(model, tokens, labels)
         loss.backward()

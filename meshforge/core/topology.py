@@ -1,7 +1,11 @@
 """The parallel degrees as a validated value object: the one owner of the topology.
 
-Mesh dims, outer to inner: pp, dp_replicate, dp_shard, tp. Tensor parallel is innermost so
-its ranks are neighbours (same node, fastest links); pipeline is outermost (least traffic).
+Mesh dims, outer to inner: pp, dp_replicate, dp_shard, cp, tp (TorchTitan's order). Tensor
+parallel is innermost so its ranks are neighbours (same node, fastest links); context parallel
+next (an all-gather of K/V or two all-to-alls per layer, more traffic than data parallel's
+once-a-step reductions, less than TP's); pipeline is outermost (least traffic). FSDP shards over
+dp_shard x cp together: the cp ranks hold other tokens of the same samples, so their gradients
+are summed like data-parallel ones.
 Everything that needs a rank's place in the mesh (validation, the estimator, sweeps, golden
 dumps, the DeviceMesh itself) asks this class. Pure Python: no devices, no torch.
 """
@@ -14,9 +18,17 @@ from dataclasses import dataclass, fields
 
 from meshforge.core.errors import Problem, RecipeError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outer -> inner: the one spelling of the dim order
+MESH_DIMS = (
+    "pp",
+    "dp_replicate",
+    "dp_shard",
+    "cp",
+    "tp",
+)  # outer -> inner: the one spelling of the dim order
+ADDED_LATER = ("cp",)  # dims that records written before them lack
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims, outer -> inner (a batch splits over both)
-_LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("tp", "tp"), ("pp", "pp"))
+FSDP_SHARD_DIMS = ("dp_shard", "cp")  # what FSDP shards over (flattened): cp ranks sum gradients too
+_LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("cp", "cp"), ("tp", "tp"), ("pp", "pp"))
 
 
 def divisors(n: int) -> list[int]:
@@ -27,6 +39,7 @@ def divisors(n: int) -> list[int]:
 class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
 
@@ -41,8 +54,11 @@ class ParallelDims:
 
     @classmethod
     def from_degrees(cls, degrees: Mapping[str, int]) -> ParallelDims:
-        """From a mapping holding every mesh dim (run.json's "mesh", a sweep row); other keys are ignored."""
-        return cls(**{name: degrees[name] for name in MESH_DIMS})
+        """From a mapping holding every mesh dim (run.json's "mesh", a sweep row); other keys are
+        ignored, and a dim the record predates (cp) is 1, as it was when the record was written."""
+        return cls(
+            **{name: degrees[name] if name not in ADDED_LATER else degrees.get(name, 1) for name in MESH_DIMS}
+        )
 
     @classmethod
     def all_of_world(cls, world: int) -> list[ParallelDims]:
@@ -80,9 +96,19 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shard(self) -> int:
+        """How many ranks FSDP shards a parameter over: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
     def fsdp_enabled(self) -> bool:
-        # FSDP2 also serves pure replication (dp_shard=1): HSDP with a shard dim of 1
-        return self.dp > 1
+        # FSDP2 also serves pure replication (dp_shard=1): HSDP with a shard dim of 1; under cp
+        # it sums the gradients of the cp ranks' tokens
+        return self.dp * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:

@@ -210,7 +210,8 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
     last_stage = dims.pp * r.pp.stages_per_rank - 1
     mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
     sp = dims.tp_enabled and r.tp.sequence_parallel
-    boundary = (mb, r.train.seq_len // dims.tp if sp else r.train.seq_len, args.dim)  # what a stage sends
+    tokens = r.train.seq_len // dims.cp  # this rank's part of every sequence under cp
+    boundary = (mb, tokens // dims.tp if sp else tokens, args.dim)  # what a stage sends
     act_dtype = DTYPES[r.fsdp.param_dtype] if fsdp_applies(dims, r.fsdp) else torch.float32
     parts = dict(zip(pmodel.stage_ids, pmodel.parts))
     live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
@@ -218,13 +219,13 @@ def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int
         part = parts[stage]
         if kind == "F":
             x = (
-                torch.randint(0, args.vocab_size, (mb, r.train.seq_len))
+                torch.randint(0, args.vocab_size, (mb, tokens))
                 if stage == 0
                 else torch.empty(boundary, dtype=act_dtype, requires_grad=True)
             )
             out = part(x)
             if stage == last_stage:
-                out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, r.train.seq_len)))
+                out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, tokens)))
             live[(stage, m)] = out
         elif kind in "BI":  # a zero-bubble input-gradient half counted as the whole backward
             if dims.pp_enabled and isinstance(part, FSDPModule):

@@ -42,6 +42,8 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
             spec,
             tp=recipe.tp,
             pp=recipe.pp,
+            cp=recipe.cp,
+            seq_len=recipe.train.seq_len,
             ac=recipe.activation_checkpoint,
             compile=compile_off,
             fsdp=recipe.fsdp,

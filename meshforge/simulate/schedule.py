@@ -8,6 +8,7 @@ import torch
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import UsageError
+from meshforge.core.topology import ParallelDims
 from meshforge.parallelisms.pp import bubble_fraction_gpipe, build_schedule
 from meshforge.parallelisms.pp_actions import bubble_fraction, pipeline_order
 from meshforge.run.observe.figures import timeline
@@ -32,7 +33,7 @@ def draw_schedule(recipe: Recipe, out: Path) -> str:
     title = f"{recipe.pp.schedule}, pp={recipe.mesh.pp}, {recipe.pp.microbatches} microbatches"
     timeline(order, title).savefig(out, dpi=100, bbox_inches="tight")
     theory = bubble_fraction_gpipe(recipe.mesh.pp, recipe.pp.microbatches)
-    world = recipe.mesh.dp_replicate * recipe.mesh.dp_shard * recipe.mesh.tp * recipe.mesh.pp
+    world = ParallelDims.from_config(recipe.mesh).world_size
     return (
         f"{title}: bubble {bubble_fraction(order):.1%} of rank time (GPipe/1F1B theory (p-1)/(m+p-1) "
         f"= {theory:.1%}); world {world}; picture: {out}"

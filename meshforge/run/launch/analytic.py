@@ -13,8 +13,8 @@ from meshforge.parallelisms.fsdp import DTYPES
 
 def state_bytes(n_params: int, dims: ParallelDims) -> float:
     """fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter), sharded over
-    dp_shard x tp x pp; replicas (dp_replicate) hold full copies."""
-    return 16 * n_params / (dims.dp_shard * dims.tp * dims.pp)
+    dp_shard x cp x tp x pp (FSDP shards over dp_shard x cp); replicas (dp_replicate) hold full copies."""
+    return 16 * n_params / (dims.fsdp_shard * dims.tp * dims.pp)
 
 
 def placed_state_bytes(n_params: int, dims: ParallelDims, cpu_offload: bool) -> tuple[float, float]:
@@ -28,8 +28,9 @@ def placed_state_bytes(n_params: int, dims: ParallelDims, cpu_offload: bool) -> 
 def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
     """A rough per-rank activation peak for one micro-batch (Korthikanti et al. 2022:
     ~34 bytes x tokens x dim per layer in 16-bit, /tp), plus the fp32 logits, their
-    softmax and gradient (3 x 4 bytes x tokens x vocab / tp) on the last stage."""
-    tokens = r.train.micro_batch_size * r.train.seq_len
+    softmax and gradient (3 x 4 bytes x tokens x vocab / tp) on the last stage; a cp rank
+    holds seq_len / cp tokens of every sequence."""
+    tokens = r.train.micro_batch_size * r.train.seq_len // dims.cp
     bytes_per_value = DTYPES[r.fsdp.param_dtype].itemsize
     per_layer = 17 * bytes_per_value * tokens * args.dim / dims.tp
     layers = args.n_layers / dims.pp

@@ -52,7 +52,7 @@ class Plan:
             (
                 "model states/rank",
                 f"{(self.state_bytes_per_rank + self.host_state_bytes_per_rank) / GiB:.2f} GiB (fp32 "
-                f"params+grads+AdamW, sharded over dp_shard x tp x pp = {d.dp_shard * d.tp * d.pp})"
+                f"params+grads+AdamW, sharded over dp_shard x cp x tp x pp = {d.fsdp_shard * d.tp * d.pp})"
                 + ", on the host (fsdp.cpu_offload)"
                 * bool(self.host_state_bytes_per_rank),
             ),

@@ -1,9 +1,11 @@
 """A step's forwards and backwards: microbatches through the model, or through the
-pipeline schedule, with the loss normalised by the global token count."""
+pipeline schedule, with the loss normalised by the global token count. Under context
+parallelism each rank takes its part of every sequence here (inputs and labels alike)."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,13 +57,16 @@ class ForwardBackward:
         has_first: bool = True,
         has_last: bool = True,
         microbatches: int = 1,
+        shard: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
     ):
         """`schedule` (pipeline parallel) runs the parts, calling `loss` (the schedule's loss_fn)
-        on a last stage; `has_first`/`has_last`: this rank holds the first/last stage."""
+        on a last stage; `has_first`/`has_last`: this rank holds the first/last stage; `shard`: this
+        rank's part of a (B, S) batch tensor (`parallelisms.cp.sequence_shard`)."""
         if (schedule is None) != (loss is None):
             raise ValueError("a pipeline schedule and its PipelineLoss come together")
         self.parts, self.schedule, self.policy, self.device = parts, schedule, policy, device
         self.has_first, self.has_last, self.microbatches = has_first, has_last, microbatches
+        self.shard = shard
         self.phase = Phase.SETUP
         self._loss = loss or PipelineLoss()  # without a schedule: the same bookkeeping
 
@@ -80,7 +85,9 @@ class ForwardBackward:
         self._loss.scale, self._loss.ce_sums = loss_scale, []
         for b in batches:
             with self.policy.context(self.device.type):
-                self._one(b.inputs.to(self.device), b.labels.to(self.device), train=train)
+                self._one(
+                    self.shard(b.inputs).to(self.device), self.shard(b.labels).to(self.device), train=train
+                )
         total = torch.zeros((), device=self.device)
         for ce in self._loss.ce_sums:
             total += ce.full_tensor() if isinstance(ce, DTensor) else ce

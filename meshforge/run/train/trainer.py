@@ -22,6 +22,7 @@ from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms import build_meshes, check_parameter_count, materialize, parallelize
+from meshforge.parallelisms.cp import sequence_shard
 from meshforge.parallelisms.fsdp import quiet_embedding_view_warning
 from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
@@ -78,6 +79,8 @@ class Trainer(TrainingRun):
             self.spec,
             tp=r.tp,
             pp=r.pp,
+            cp=r.cp,
+            seq_len=r.train.seq_len,
             ac=r.activation_checkpoint,
             compile=r.compile,
             fsdp=r.fsdp,
@@ -135,8 +138,10 @@ class Trainer(TrainingRun):
         (which calls the loss) and the ForwardBackward (which reads it) share one PipelineLoss."""
         r, ids = self.recipe, self.pmodel.stage_ids
         policy = StepPolicy.of(self.dims, r.tp, r.fsdp)
+        shard = sequence_shard(self.meshes.cp if self.meshes else None)
         if not self.dims.pp_enabled:
-            return ForwardBackward(parts=self.pmodel.parts, policy=policy, device=self.env.device), None
+            parts = self.pmodel.parts
+            return ForwardBackward(parts=parts, policy=policy, device=self.env.device, shard=shard), None
         loss = PipelineLoss()
         schedule = build_schedule(self.pmodel.parts, ids, self.meshes.pp, r.pp, self.env.device, loss)
         n_stages = self.dims.pp * r.pp.stages_per_rank
@@ -149,6 +154,7 @@ class Trainer(TrainingRun):
             has_first=0 in ids,
             has_last=n_stages - 1 in ids,
             microbatches=r.pp.microbatches,
+            shard=shard,
         )
         return forward_backward, schedule
 
@@ -191,7 +197,8 @@ class Trainer(TrainingRun):
     def _step(self) -> StepResult:
         r, env = self.recipe, self.env
         batches = self.loader.next_step()
-        # the global number of target tokens, summed over accumulation and dp ranks
+        # the global number of target tokens, summed over accumulation and dp ranks (counted before
+        # cp takes its part: every cp rank of a dp rank reads the same samples)
         n_tokens = torch.tensor(
             float(sum((b.labels != IGNORE_INDEX).sum() for b in batches)), device=env.device
         )
@@ -204,7 +211,8 @@ class Trainer(TrainingRun):
         self.tied.sync_grads()  # a weight tied across pipeline stages: both copies get its gradient
         skip = self.tied.norm_skips()
         grad_norm = clip_grad_norm(self.params, r.train.max_norm, self.pp_group, 1.0 / scale, skip)
-        # every last-stage rank holds its dp slice's sum; tp ranks hold copies of it. A stop
+        # every last-stage rank holds its dp slice's sum (of its cp part's tokens); tp ranks hold
+        # copies of it. A stop
         # request (SIGTERM) rides along in the same all-reduce, so all ranks stop together.
         packed = torch.stack([ce_total, torch.tensor(float(self.stop.requested), device=env.device)])
         if dist.is_initialized():
