@@ -150,13 +150,14 @@ def check_sequence_split(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
     local = seq // cp
     if dims.tp_enabled and r.tp.sequence_parallel and not problems and local % tp:
         step = cp * tp
+        what = f"each cp rank's {local} tokens" if dims.cp_enabled else "the sequence"
+        multiple = f"cp x tp = {step}" if dims.cp_enabled else str(tp)
         problems.append(
             Problem(
                 "train.seq_len",
                 seq,
-                f"sequence parallel shards each cp rank's {local} tokens over tp={tp}: use a "
-                f"multiple of cp x tp = {step}, e.g. {seq - seq % step or step}, or "
-                "tp.sequence_parallel=false",
+                f"sequence parallel shards {what} over tp={tp}: use a multiple of {multiple}, e.g. "
+                f"{seq - seq % step or step}, or tp.sequence_parallel=false",
             )
         )
     return problems

@@ -168,7 +168,7 @@ def test_fsdp_tp_shards_land_on_the_same_jax_devices():
         on_device = {s.device: np.asarray(s.data) for s in arr.addressable_shards}
         for rank, slices in enumerate(per_rank):
             s = slices[fqn]
-            _, rep, shard, tp = s["coordinate"]
+            _, rep, shard, _, tp = s["coordinate"]  # pp, dp_replicate, dp_shard, cp, tp
             expected = full[tuple(slice(o, o + n) for o, n in zip(s["offset"], s["shape"]))]
             np.testing.assert_array_equal(
                 on_device[mesh.devices[rep, shard, tp]], expected, err_msg=f"{fqn} rank {rank}"

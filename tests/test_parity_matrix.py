@@ -132,14 +132,34 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tied_3d_pp2_dp2_tp2": (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *TIED], TIED, 1e-5),
 }
 
+# context parallel (issue 25), over CP_STEPS: every mesh cp joins, both attention methods
+CP_STEPS = 10
+CP_CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
+    "cp2_allgather": (["mesh.cp=2", "cp.method=allgather"], [], 1e-5),
+    "cp2_alltoall": (["mesh.cp=2", "cp.method=alltoall"], [], 1e-5),
+    "cp4_allgather": (["mesh.cp=4"], [], 1e-5),
+    "cp2_fsdp2": (["mesh.cp=2", "mesh.dp_shard=2"], [], 1e-5),
+    "cp2_hsdp": (["mesh.cp=2", "mesh.dp_replicate=2"], [], 1e-5),
+    "cp2_tp2_sp_loss_parallel": (["mesh.cp=2", "mesh.tp=2"], [], 1e-5),
+    "cp2_pp2": (["mesh.cp=2", "mesh.pp=2"], [], 1e-5),
+    "fsdp2_cp2_tp2": (["mesh.dp_shard=2", "mesh.cp=2", "mesh.tp=2"], [], 1e-5),
+    "cp2_ac_full_compile": (
+        ["mesh.cp=2", "activation_checkpoint.mode=full", "compile.enabled=true"],
+        [],
+        1e-5,
+    ),
+    "qwen3_cp2_alltoall": (["mesh.cp=2", "cp.method=alltoall", *QWEN3], QWEN3, 1e-5),
+    "tied_cp2_pp2": (["mesh.cp=2", "mesh.pp=2", *TIED], TIED, 1e-5),
+}
 
-def _launch(out, name: str, overrides: list[str]):
+
+def _launch(out, name: str, overrides: list[str], steps: int = STEPS):
     proc = run_recipe(
         [
             str(RECIPES / "debug_cpu.toml"),
             *ONE_RANK,
             *QUICK,
-            f"train.steps={STEPS}",
+            f"train.steps={steps}",
             "logging.memory_breakdown_step=0",
             f"output_dir={out}",
             f"run_name={name}",
@@ -160,10 +180,11 @@ def out(tmp_path_factory):
 def baselines(out):
     cache: dict[tuple, list[dict]] = {}
 
-    def get(model_overrides: list[str]) -> list[dict]:
-        key = tuple(model_overrides)
+    def get(model_overrides: list[str], steps: int = STEPS) -> list[dict]:
+        key = (*model_overrides, steps)
         if key not in cache:
-            cache[key] = _launch(out, "base" + "".join(x.replace("=", "") for x in key), model_overrides)[0]
+            name = "base" + "".join(x.replace("=", "") for x in model_overrides) + f"-{steps}steps"
+            cache[key] = _launch(out, name, model_overrides, steps)[0]
         return cache[key]
 
     return get
@@ -171,10 +192,18 @@ def baselines(out):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_one_rank(name, out, baselines):
-    overrides, model_overrides, tol = CONFIGS[name]
-    base = baselines(model_overrides)
-    rows, info = _launch(out, name, overrides)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    _check_against_one_rank(name, *CONFIGS[name], STEPS, out, baselines)
+
+
+@pytest.mark.parametrize("name", list(CP_CONFIGS))
+def test_context_parallel_matches_one_rank(name, out, baselines):
+    _check_against_one_rank(name, *CP_CONFIGS[name], CP_STEPS, out, baselines)
+
+
+def _check_against_one_rank(name, overrides, model_overrides, tol, steps, out, baselines) -> None:
+    base = baselines(model_overrides, steps)
+    rows, info = _launch(out, name, overrides, steps)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, base))
     gn_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(rows, base))
     assert loss_diff <= tol and gn_diff <= tol, (

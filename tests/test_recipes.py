@@ -140,6 +140,39 @@ def test_heads_and_kv_heads_must_divide_by_tp(tmp_path):
     assert "multiple of 3" in p["train.seq_len"]  # sequence parallel shards seq_len
 
 
+def test_context_parallel_rules_name_the_field_the_value_and_the_valid_choices(tmp_path):
+    # debug flavor: 4 heads, 2 kv heads
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ncp = 4\n[train]\nseq_len = 36\n")
+    assert (
+        p["train.seq_len"]
+        == "mesh.cp=4 needs seq_len 36: cp 4 cuts it in 8 equal chunks, so a multiple of 8, e.g. 32"
+    )
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ncp = 4\n[cp]\nmethod = 'alltoall'\n[train]\nseq_len = 64\n")
+    assert "4 heads and 2 kv heads must both divide by 4" in p["cp.method"]
+    assert "use mesh.cp among [2] (with tp=1), or cp.method=allgather" in p["cp.method"]
+    p = problems(
+        tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 2\n[cp]\nmethod = 'alltoall'\n[train]\nseq_len = 64\n"
+    )
+    assert "2 heads and 1 kv heads must both divide by 2" in p["cp.method"] and "among none" in p["cp.method"]
+    # 36 tokens: 4 chunks of 9, and sequence parallel splits each cp rank's 18 over tp 2
+    load_recipe(write(tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 2\n[train]\nseq_len = 36\n"))
+    p = problems(
+        tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 4\n[model]\nn_kv_heads = 4\n[train]\nseq_len = 4\n"
+    )
+    assert (
+        "sequence parallel shards each cp rank's 2 tokens over tp=4: use a multiple of cp x tp = 8"
+        in (p["train.seq_len"])
+    )
+    p = problems(tmp_path, "backend = 'jax'\n[mesh]\ndp_shard = 1\ncp = 2\n[train]\nseq_len = 32\n")
+    assert "context parallelism is torch-only: set mesh.cp=1" in p["mesh.cp"]
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\n[cp]\nmethod = 'ring'\n")
+    assert p["cp.method"] == "must be one of allgather, alltoall"
+    recipe = load_recipe(
+        write(tmp_path, "[mesh]\ndp_shard = -1\ncp = 2\n[train]\nseq_len = 32\n"), world_size=8
+    )
+    assert ParallelDims.from_config(recipe.mesh).label() == "dp4-cp2"
+
+
 def test_layers_vs_pipeline_stages(tmp_path):
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 8\n[train]\nmicro_batch_size = 8\n")
     assert "8 pipeline stages but only 4 layers" in p["mesh.pp"]

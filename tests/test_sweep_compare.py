@@ -31,16 +31,22 @@ t.Trainer.train_step = step
 
 def test_every_mesh_of_a_world_is_enumerated():
     shapes = mesh_shapes(8)
-    assert len(shapes) == 20 and len({tuple(s.values()) for s in shapes}) == 20
-    assert all(s["dp_replicate"] * s["dp_shard"] * s["tp"] * s["pp"] == 8 for s in shapes)
+    assert len(shapes) == 35 and len({tuple(s.values()) for s in shapes}) == 35  # 5 dims: C(3 + 4, 4)
+    assert all(s["dp_replicate"] * s["dp_shard"] * s["cp"] * s["tp"] * s["pp"] == 8 for s in shapes)
     # the dim order has one owner: ParallelDims' fields are MESH_DIMS, and shapes come in sweep order
     assert {f.name for f in dataclasses.fields(ParallelDims)} == set(MESH_DIMS) and list(shapes[0]) == list(
         MESH_DIMS
     )
-    assert [tuple(s.values()) for s in shapes[:3]] == [(8, 1, 1, 1), (4, 1, 1, 2), (2, 1, 1, 4)]
+    assert [tuple(s.values()) for s in shapes[:3]] == [(8, 1, 1, 1, 1), (4, 1, 1, 1, 2), (2, 1, 1, 1, 4)]
+    assert {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2} in shapes
     assert ParallelDims.from_degrees({**shapes[1], "label": "x"}).label() == "tp2-pp4"
+    # a record written before cp was a dimension (run.json's "mesh", a sweep row) reads as cp 1
+    before_cp = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2}
+    assert ParallelDims.from_degrees(before_cp) == ParallelDims(dp_shard=4, tp=2)
+    with pytest.raises(KeyError):  # but a record without a dim it always had is not guessed
+        ParallelDims.from_degrees({"pp": 1, "dp_replicate": 1, "tp": 2})
     points = sweep_points(4, {"pp.schedule": ["1F1B", "GPipe"]})
-    assert len(points) == 2 * len(mesh_shapes(4)) == 20
+    assert len(points) == 2 * len(mesh_shapes(4)) == 30
     assert "dp2-tp2-schedule=GPipe" in {p.label for p in points}
 
 
