@@ -6,8 +6,6 @@ The block's forward is wrapped in place (not the module), so parameter names sta
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -20,6 +18,15 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
         return
     for layer_id, block in model.layers.items():
         if cfg.mode == "full" or int(layer_id) % cfg.selective_every == 0:
-            block.forward = functools.partial(
-                checkpoint, block.forward, use_reentrant=False, preserve_rng_state=False
-            )
+            block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward):
+    """`forward` under non-reentrant checkpointing, as a closure: torch.compile(fullgraph=True) of
+    the block traces a closure that calls `checkpoint`, but finds no frame to compile in a
+    functools.partial of it (torch 2.13), so AC with compile failed at the first step."""
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    return run

@@ -108,6 +108,11 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tp2_ac_selective": (["mesh.tp=2", "activation_checkpoint.mode=selective"], [], 1e-5),
     "fsdp2_bf16": (["mesh.dp_shard=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
     "fsdp2_compile": (["mesh.dp_shard=2", "compile.enabled=true"], [], 1e-5),
+    "fsdp2_ac_full_compile": (
+        ["mesh.dp_shard=2", "activation_checkpoint.mode=full", "compile.enabled=true"],
+        [],
+        1e-5,
+    ),
     "fsdp2_cpu_offload": (["mesh.dp_shard=2", "fsdp.cpu_offload=true"], [], 1e-5),
     "one_process_cpu_offload": (["fsdp.cpu_offload=true"], [], 1e-5),  # FSDP on a 1-rank mesh
     "qwen3_tp2": (["mesh.tp=2", *QWEN3], QWEN3, 1e-5),  # QK-norm weights reduced over tp
