@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshforge.core.topology import DP_DIMS, FSDP_SHARD_DIMS, MESH_DIMS, ParallelDims
+from meshforge.core.topology import DP_DIMS, FSDP_SHARD, FSDP_SHARD_DIMS, MESH_DIMS, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,9 @@ def _fsdp_mesh(root: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     the name dp_shard (placements and golden dumps name it)."""
     if not dims.cp_enabled:
         return root[DP_DIMS] if dims.dp_replicate > 1 else root["dp_shard"]
-    shard = root[FSDP_SHARD_DIMS]._flatten("dp_shard_cp")
+    shard = root[FSDP_SHARD_DIMS]._flatten(FSDP_SHARD)
     if dims.dp_replicate == 1:
         return shard
     with warnings.catch_warnings():  # torch 2.13 slices a flattened dim (its note: deprecated one day)
         warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-        return root[("dp_replicate", "dp_shard_cp")]
+        return root[("dp_replicate", FSDP_SHARD)]

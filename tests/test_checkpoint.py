@@ -144,8 +144,13 @@ def test_async_checkpoint_commits_as_soon_as_written_survives_a_kill_mid_write_a
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh",
-    [["mesh.dp_shard=2", "mesh.tp=2"], ["mesh.dp_shard=2", "mesh.pp=2"], []],
-    ids=["dp2xtp2", "pp2xdp2", "1proc"],
+    [
+        ["mesh.dp_shard=2", "mesh.tp=2"],
+        ["mesh.dp_shard=2", "mesh.pp=2"],
+        [],
+        ["mesh.dp_shard=2", "mesh.cp=2"],
+    ],
+    ids=["dp2xtp2", "pp2xdp2", "1proc", "dp2xcp2"],
 )
 def test_resume_on_another_mesh(reference, tmp_path, mesh):
     step5 = reference / "checkpoints" / "step-00000005"
@@ -397,6 +402,24 @@ def test_a_tied_model_saved_on_pp2_stores_one_weight_and_resumes_on_tp2_and_one_
     ref = _losses(tmp_path / "pp2")
     for name, mesh in (("tp2", ["mesh.tp=2"]), ("one", [])):
         proc = run_recipe(_args(tmp_path, name, *mesh, *tied, f"checkpoint.load={step5}"), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = _losses(tmp_path / name)
+        assert sorted(got) == list(range(6, 11))
+        for s in got:
+            assert abs(got[s][0] - ref[s][0]) <= 1e-5 and abs(got[s][1] - ref[s][1]) <= 1e-5, (name, s)
+
+
+@pytest.mark.slow
+def test_a_cp2_checkpoint_resumes_on_one_process_and_on_tp2(tmp_path):
+    """Context parallel changes no parameter's shape (FSDP shards over dp_shard x cp): a cp 2
+    checkpoint continues the same losses on one process and on tp 2, with the data position."""
+    proc = run_recipe(_args(tmp_path, "cp2", "mesh.cp=2", *CKPT), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step5 = tmp_path / "cp2" / "checkpoints" / "step-00000005"
+    assert json.loads((step5 / "meta.json").read_text())["mesh"]["cp"] == 2
+    ref = _losses(tmp_path / "cp2")
+    for name, mesh in (("one", []), ("tp2", ["mesh.tp=2"])):
+        proc = run_recipe(_args(tmp_path, name, *mesh, f"checkpoint.load={step5}"), cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = _losses(tmp_path / name)
         assert sorted(got) == list(range(6, 11))

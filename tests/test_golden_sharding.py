@@ -65,5 +65,12 @@ def test_golden_files_show_the_3d_layout():
     pp2 = json.loads((GOLDEN / "sharding_llm_1b_pp2.json").read_text())
     assert "output.weight" not in pp2["0"] and "tok_embeddings.weight" not in pp2["7"]
     assert pp2["7"]["output.weight"].startswith("stage 1: copy of tok_embeddings.weight (tied")
+    # context parallel: FSDP shards over dp_shard x cp flattened; rank 5 of dp4-cp4 is (dp_shard 1, cp 1),
+    # the sixth of 16 shards
+    long = json.loads((GOLDEN / "sharding_llm_8b_long.json").read_text())
+    assert len(long) == 16
+    assert long["5"]["tok_embeddings.weight"] == (
+        "S(0) on (dp_shard_cp) local [8016, 4096] of [128256, 4096] at [40080, 0]"
+    )
     # FSDP inside TP: rank 3 is (dp_shard 1, tp 1): the second quarter-row block of the second TP half
     assert debug["3"]["layers.0.attention.wq.weight"].endswith("local [16, 64] of [64, 64] at [48, 0]")

@@ -145,20 +145,26 @@ def test_placements_map_to_partition_specs():
         jax_bridge.check_even((12, 4), P(("tp", "dp_shard")), mesh)
 
 
-def test_fsdp_tp_shards_land_on_the_same_jax_devices():
-    """For every rank of an FSDP 4 x TP 2 mesh and every parameter, the slice that rank holds
-    in training equals what JAX places on the device with the same mesh coordinates under
-    the NamedSharding derived from the placements."""
+@pytest.mark.parametrize(
+    "degrees",
+    [{"dp_shard": 4, "cp": 1, "tp": 2}, {"dp_shard": 2, "cp": 2, "tp": 2}],
+    ids=["fsdp4xtp2", "fsdp2xcp2xtp2"],
+)
+def test_fsdp_tp_shards_land_on_the_same_jax_devices(degrees):
+    """For every rank of an FSDP 4 x TP 2 mesh (and FSDP over dp_shard x cp, flattened) and every
+    parameter, the slice that rank holds in training equals what JAX places on the device with the
+    same mesh coordinates under the NamedSharding derived from the placements."""
     from jax.sharding import NamedSharding
 
     from meshforge.recipe import load_recipe
     from meshforge.simulate.estimate import trace_pool
     from meshforge.simulate.sharding import rank_slices
 
-    recipe = load_recipe(RECIPES / "debug_cpu.toml", ["mesh.dp_shard=4", "mesh.tp=2", "mesh.pp=1"])
+    overrides = [f"mesh.{n}={d}" for n, d in degrees.items()]
+    recipe = load_recipe(RECIPES / "debug_cpu.toml", [*overrides, "mesh.pp=1", "train.seq_len=32"])
     with trace_pool() as pool:
         per_rank = [f.result() for f in [pool.submit(rank_slices, recipe, rank) for rank in range(8)]]
-    mesh = jax_bridge.jax_mesh({"dp_replicate": 1, "dp_shard": 4, "tp": 2})
+    mesh = jax_bridge.jax_mesh({"dp_replicate": 1, **degrees})
     specs = set()
     for fqn, first in per_rank[0].items():
         full = np.arange(np.prod(first["global_shape"]), dtype=np.float32).reshape(first["global_shape"])
@@ -168,12 +174,14 @@ def test_fsdp_tp_shards_land_on_the_same_jax_devices():
         on_device = {s.device: np.asarray(s.data) for s in arr.addressable_shards}
         for rank, slices in enumerate(per_rank):
             s = slices[fqn]
-            _, rep, shard, _, tp = s["coordinate"]  # pp, dp_replicate, dp_shard, cp, tp
+            _, rep, shard, cp, tp = s["coordinate"]  # pp, dp_replicate, dp_shard, cp, tp
             expected = full[tuple(slice(o, o + n) for o, n in zip(s["offset"], s["shape"]))]
             np.testing.assert_array_equal(
-                on_device[mesh.devices[rep, shard, tp]], expected, err_msg=f"{fqn} rank {rank}"
+                on_device[mesh.devices[rep, shard, cp, tp]], expected, err_msg=f"{fqn} rank {rank}"
             )
-    assert P(("tp", "dp_shard")) in specs and P("dp_shard", "tp") in specs  # colwise and rowwise weights
+    fsdp = ("dp_shard", "cp") if degrees["cp"] > 1 else "dp_shard"  # FSDP's flattened dim, spelled out
+    nested = ("tp", *fsdp) if degrees["cp"] > 1 else ("tp", "dp_shard")
+    assert P(nested) in specs and P(fsdp, "tp") in specs  # colwise and rowwise weights
 
 
 def test_dlpack_shares_memory_both_ways():

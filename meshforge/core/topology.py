@@ -28,6 +28,8 @@ MESH_DIMS = (
 ADDED_LATER = ("cp",)  # dims that records written before them lack
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims, outer -> inner (a batch splits over both)
 FSDP_SHARD_DIMS = ("dp_shard", "cp")  # what FSDP shards over (flattened): cp ranks sum gradients too
+FSDP_SHARD = "dp_shard_cp"  # their flattened DeviceMesh dim (under cp; without it FSDP's mesh is dp_shard)
+FLATTENED = {FSDP_SHARD: FSDP_SHARD_DIMS}  # a flattened DeviceMesh dim -> the mesh dims it spans
 _LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("cp", "cp"), ("tp", "tp"), ("pp", "pp"))
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshforge.core.errors import Problem, RecipeError
-from meshforge.core.topology import MESH_DIMS
+from meshforge.core.topology import FLATTENED, MESH_DIMS
 from meshforge.interop.weights import to_numpy
 from meshforge.models import spec_of
 
@@ -144,7 +144,8 @@ def placements_to_spec(placements, mesh_dim_names: tuple[str, ...], ndim: int) -
     Shard(d) on mesh dim i puts axis i on tensor dim d. Several mesh dims sharding one tensor
     dim nest in placement order (the first is outermost) - except FSDP's _StridedShard,
     which shards *inside* the TP shard: (_StridedShard(0), Shard(0)) on (dp, tp) is
-    P(("tp", "dp")), not P(("dp", "tp")). Partial placements have no PartitionSpec.
+    P(("tp", "dp")), not P(("dp", "tp")). A flattened dim (FSDP's dp_shard x cp) is its dims in
+    order, outer first, as the flattening ranks them. Partial placements have no PartitionSpec.
     """
     per_dim: list[list[str]] = [[] for _ in range(ndim)]
     strided: list[list[str]] = [[] for _ in range(ndim)]
@@ -156,10 +157,11 @@ def placements_to_spec(placements, mesh_dim_names: tuple[str, ...], ndim: int) -
             )
         if isinstance(p, Replicate):
             continue
+        names = FLATTENED.get(axis, (axis,))
         if isinstance(p, _StridedShard):
-            strided[p.dim % ndim].append(axis)
+            strided[p.dim % ndim].extend(names)
         elif isinstance(p, Shard):
-            per_dim[p.dim % ndim].append(axis)
+            per_dim[p.dim % ndim].extend(names)
     # a strided shard splits each of the later (plain) shards further: it is the innermost axis
     axes = [plain + inner for plain, inner in zip(per_dim, strided)]
     entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes]
