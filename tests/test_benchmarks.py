@@ -120,3 +120,21 @@ def test_loader_throughput_benchmark_writes_its_results(tmp_path):
     assert all(r["tokens_per_sec"] > 0 for r in result["rows"]) and result["text_cpu_margin"] is None
     need = result["llm_1b_h100_tokens_per_sec_per_gpu_at_mfu"]["tokens_per_sec"]
     assert result["llm_1b_margin"] == min(r["tokens_per_sec"] for r in result["rows"]) / need
+
+
+@pytest.mark.slow
+def test_context_parallel_benchmark_writes_its_results(tmp_path):
+    points = ["cp1", "cp2-alltoall"]
+    proc = run_benchmark(
+        "context_parallel.py", ["--seqs", "128", "--points", *points, "--out", str(tmp_path)], tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "context_parallel.json").read_text())
+    one, cp2 = result["rows"]
+    assert (one["cp"], cp2["cp"], cp2["method"]) == (1, 2, "alltoall")
+    assert cp2["activation_bytes"] < one["activation_bytes"]  # each rank holds half of every sequence
+    for r in (one, cp2):
+        assert r["step_s"] > 0 and r["estimate_error"] == r["estimate_bytes"] / r["peak_bytes"] - 1
+    allgather, alltoall = result["h100"]
+    assert alltoall["received_mib_per_layer"] < allgather["received_mib_per_layer"]  # 280 vs 448 MiB at cp 8
+    assert "| 128 | cp2-alltoall |" in (tmp_path / "context_parallel.md").read_text()

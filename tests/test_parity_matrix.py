@@ -215,6 +215,8 @@ def _check_against_one_rank(name, overrides, model_overrides, tol, steps, out, b
         f"{name}: max |dloss| {loss_diff:.2e}, |dgrad_norm| {gn_diff:.2e}"
     )
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.05  # it trained
+    for r in rows:  # every token counted once, whatever holds it (16 sequences of 32 tokens)
+        assert r["tokens_per_sec"] * r["step_time"] == pytest.approx(16 * 32), name
     world = info["world_size"]
     assert world == 1 if name.startswith("one_process") else world > 1
     assert 0 <= rows[-1]["memory_rank/rss_gib"] < world  # memory reduced over every rank
