@@ -90,37 +90,85 @@ def _lower_right_causal(n_queries: int, n_keys: int, device: torch.device) -> to
     return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries)
 
 
+def _flash_cpu(q, k, v, causal: bool):
+    """CPU's fused attention with its log-sum-exp (GQA when k, v have fewer heads)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+class _PrefixCausalCPU(torch.autograd.Function):
+    """Causal attention of queries that are the last L of the S positions of k, v, without a mask:
+    the earlier S - L keys unmasked, the last L causally, two fused calls merged by their
+    log-sum-exp; backward runs each call's backward with the merged output and log-sum-exp
+    (ring attention's rule), so dq, dk, dv are exact and nothing of size L x S is kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        past = k.shape[2] - q.shape[2]
+        out, lse = _flash_cpu(q, k[:, :, past:].contiguous(), v[:, :, past:].contiguous(), True)
+        if past:
+            out_p, lse_p = _flash_cpu(q, k[:, :, :past].contiguous(), v[:, :, :past].contiguous(), False)
+            merged = torch.logaddexp(lse_p, lse)
+            out = (
+                out_p.float() * (lse_p - merged).exp().unsqueeze(-1)
+                + out.float() * (lse - merged).exp().unsqueeze(-1)
+            ).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        past, dout = k.shape[2] - q.shape[2], dout.contiguous()
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        diag = [t[:, :, past:].contiguous() for t in (k, v)]
+        dq, dk, dv = backward(dout, q, *diag, out, lse, 0.0, True)
+        if past:
+            earlier = [t[:, :, :past].contiguous() for t in (k, v)]
+            dq_p, dk_p, dv_p = backward(dout, q, *earlier, out, lse, 0.0, False)
+            dq, dk, dv = dq + dq_p, torch.cat([dk_p, dk], dim=2), torch.cat([dv_p, dv], dim=2)
+        return dq, dk, dv
+
+
+def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> torch.Tensor:
+    """Causal attention of `q`, the last positions of those `k` and `v` hold. `masked`: SDPA with an
+    explicit (L x S) boolean mask (CUDA: its fused kernels take it; kept for backward); else
+    `_PrefixCausalCPU`, which builds no mask."""
+    if not masked:
+        return _PrefixCausalCPU.apply(q, k, v)
+    mask = _lower_right_causal(q.shape[2], k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    cp: int,
+    rank: int,
+    masked: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q: (B, H, S/cp, hd),
     k and v: (B, KVH, S/cp, hd), each this rank's head and tail chunks; returns q's shape.
 
-    Each local chunk c attends to the keys of chunks 0..c with a lower-right causal mask (its
-    last query sees every one of them): the masks hold (2cp+1)/2cp x S x S/cp booleans, half of
-    one (S/cp x S) mask over the whole sequence. torch's `causal_lower_right` would spare them
-    (and keep CUDA's flash kernel), but creating it fails intermittently on torch 2.13 ("raw Tensor
-    object is already associated to a python object"); SDPA with a mask runs the memory-efficient
-    kernel on CUDA."""
+    Each local chunk c attends to the keys of chunks 0..c, lower-right causal (its last query
+    sees every one of them): `prefix_causal_attention`, unmasked on CPU; with `masked` (CUDA)
+    through boolean masks of (2cp+1)/2cp x S x S/cp in all, kept for backward. torch's
+    `causal_lower_right` would spare them, but creating it failed intermittently on torch 2.13
+    ("raw Tensor object is already associated to a python object")."""
     _check(q, k, cp, "allgather")
     order = _natural_order(cp)
     k_all, v_all = (
         _reorder_chunks(funcol.all_gather_single_autograd(t.contiguous(), gather_dim=2, group=group), order)
         for t in (k, v)
     )
-    chunk, gqa = q.shape[2] // 2, q.shape[1] != k.shape[1]
+    chunk = q.shape[2] // 2
     outs = []
     for slot, c in enumerate(chunks_of(rank, cp)):
         seen = (c + 1) * chunk  # the keys of chunks 0..c
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, slot * chunk : (slot + 1) * chunk],
-                k_all[:, :, :seen],
-                v_all[:, :, :seen],
-                attn_mask=_lower_right_causal(chunk, seen, q.device),
-                enable_gqa=gqa,
-            )
-        )
+        q_chunk = q[:, :, slot * chunk : (slot + 1) * chunk].contiguous()
+        outs.append(prefix_causal_attention(q_chunk, k_all[:, :, :seen], v_all[:, :, :seen], masked))
     return torch.cat(outs, dim=2)
 
 
@@ -143,10 +191,17 @@ def _head_sharded_to_seq_sharded(x: torch.Tensor, group: ProcessGroup, cp: int) 
 
 
 def alltoall_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, cp: int, rank: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    cp: int,
+    rank: int,
+    masked: bool = False,
 ) -> torch.Tensor:
-    """Ulysses: the same result as `allgather_attention`, moving heads instead of K/V (`rank` is
-    unused: the all-to-all orders the sequence by rank, the same on every rank)."""
+    """Ulysses: the same result as `allgather_attention`, moving heads instead of K/V (`rank` and
+    `masked` are unused: the all-to-all orders the sequence by rank, the same on every rank, and
+    the whole sequence's causal attention needs no mask)."""
     _check(q, k, cp, "alltoall")
     order = _natural_order(cp)
     qh, kh, vh = (_reorder_chunks(_seq_sharded_to_head_sharded(t, group, cp), order) for t in (q, k, v))
@@ -157,10 +212,14 @@ def alltoall_attention(
 ATTENTION = {"allgather": allgather_attention, "alltoall": alltoall_attention}
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, cfg: CPConfig, seq_len: int, tp: int = 1) -> None:
+def apply_cp(
+    model: nn.Module, cp_mesh: DeviceMesh, cfg: CPConfig, seq_len: int, tp: int = 1, device_type: str = "cpu"
+) -> None:
     """Make `model` (a Transformer, or one pipeline stage of it; its heads split over `tp`) attend
     across the ranks of `cp_mesh` by `cfg.method` and rotate its tokens by their positions: it
-    then takes this rank's head and tail chunks of every `seq_len`-token sequence (`shard_sequence`)."""
+    then takes this rank's head and tail chunks of every `seq_len`-token sequence (`shard_sequence`).
+    `device_type`: where the attention runs (CUDA takes the masked kernel; the estimator traces a
+    CUDA recipe on CPU fake tensors, so the mesh's own type cannot say)."""
     group, cp, rank, method = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), cfg.method
     args = model.args
     problems = shape_problems(seq_len, args.n_heads // tp, args.kv_heads // tp, cp, method)
@@ -168,7 +227,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, cfg: CPConfig, seq_len: int,
         raise ValueError("; ".join(problems))
     model.rope_positions = positions(seq_len, cp, rank)  # moved to freqs_cis' device in forward
     for block in model.layers.values():
-        block.attention.attend = functools.partial(ATTENTION[method], group=group, cp=cp, rank=rank)
+        block.attention.attend = functools.partial(
+            ATTENTION[method], group=group, cp=cp, rank=rank, masked=device_type == "cuda"
+        )
 
 
 def sequence_shard(cp_mesh: DeviceMesh | None):

@@ -61,19 +61,21 @@ def parallelize(
     pp: PPConfig,
     cp: CPConfig,
     seq_len: int,
+    device_type: str = "cpu",
     ac: ActivationCheckpointConfig,
     compile: CompileConfig,
     fsdp: FSDPConfig,
 ) -> ParallelModel:
     """Apply PP (+ CP) -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc);
-    `seq_len`: the tokens of one whole sequence, which cp splits."""
+    `seq_len`: the tokens of one whole sequence, which cp splits; `device_type`: where the model
+    will run (a kernel choice of cp's)."""
     if dims.pp_enabled:
         parts, ids, layout = pipeline_split(model, meshes.pp, pp)
     else:
         parts, ids, layout = [model], [0], [list(range(len(model.layers)))]
     for part in parts:
         if dims.cp_enabled:
-            apply_cp(part, meshes.cp, cp, seq_len, dims.tp)
+            apply_cp(part, meshes.cp, cp, seq_len, dims.tp, device_type)
         if dims.tp_enabled:
             apply_tp(part, meshes.tp, tp, spec)
         apply_ac(part, ac)

@@ -126,7 +126,10 @@ def test_loader_throughput_benchmark_writes_its_results(tmp_path):
 def test_context_parallel_benchmark_writes_its_results(tmp_path):
     points = ["cp1", "cp2-alltoall"]
     proc = run_benchmark(
-        "context_parallel.py", ["--seqs", "128", "--points", *points, "--out", str(tmp_path)], tmp_path, timeout=600
+        "context_parallel.py",
+        ["--seqs", "128", "--points", *points, "--out", str(tmp_path)],
+        tmp_path,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "context_parallel.json").read_text())

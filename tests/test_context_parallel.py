@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from conftest import start_session_rank_server
 
-from meshforge.parallelisms.cp import ATTENTION, positions, shape_problems, shard_sequence
+from meshforge.parallelisms.cp import (
+    ATTENTION,
+    positions,
+    prefix_causal_attention,
+    shape_problems,
+    shard_sequence,
+)
 
 SEQ, BATCH, HEAD_DIM = 32, 2, 8
 
@@ -44,6 +50,26 @@ def test_shapes_cp_cannot_split_are_refused_with_the_rule():
         ATTENTION["alltoall"](q, k, k, None, 4, 0)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefix_causal_attention_without_a_mask_equals_the_masked_one(dtype, tol):
+    """The CPU kernel (two fused calls merged by log-sum-exp, no mask) against SDPA with the
+    lower-right causal mask, output and dq, dk, dv; GQA (4 query heads on 2 kv heads)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 5, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 12, 8, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(2, 4, 5, 8, generator=g).to(dtype)
+    results = []
+    for masked in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = prefix_causal_attention(*leaves, masked=masked)
+        (out.float() * weight.float()).sum().backward()
+        results.append([out.detach().float(), *(t.grad.float() for t in leaves)])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert (a - b).abs().max().item() < tol, name
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)  # query i is position 7 + i
+    assert mask[0, 7] and not mask[0, 8] and mask[4].all()
+
+
 def _inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=g)
@@ -52,14 +78,16 @@ def _inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, weight
 
 
-def _rank(rank: int, cp: int, store: str, method: str, heads: int, kv_heads: int, out: str) -> None:
+def _rank(
+    rank: int, cp: int, store: str, method: str, heads: int, kv_heads: int, masked: bool, out: str
+) -> None:
     """One cp rank: its shards of the inputs, the method's attention and the grads of its shards."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
     try:
         q, k, v, weight = (shard_sequence(t, 2, cp, rank).requires_grad_() for t in _inputs(heads, kv_heads))
-        attn = ATTENTION[method](q, k, v, dist.group.WORLD, cp, rank)
+        attn = ATTENTION[method](q, k, v, dist.group.WORLD, cp, rank, masked=masked)
         (attn * weight).sum().backward()
         torch.save({"out": attn.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, f"{out}/rank{rank}.pt")
     finally:
@@ -87,21 +115,23 @@ def _run_ranks(target, cp: int, *args) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method,cp,heads,kv_heads",
+    "method,cp,heads,kv_heads,masked",
     [
-        ("allgather", 2, 4, 2),  # GQA: two query heads per kv head
-        ("allgather", 4, 4, 1),
-        ("alltoall", 2, 4, 2),
-        ("alltoall", 4, 8, 4),
+        ("allgather", 2, 4, 2, False),  # GQA: two query heads per kv head
+        ("allgather", 2, 4, 2, True),  # the masked kernel CUDA runs
+        ("allgather", 4, 4, 1, False),
+        ("allgather", 4, 4, 1, True),
+        ("alltoall", 2, 4, 2, False),
+        ("alltoall", 4, 8, 4, False),
     ],
 )
-def test_cp_attention_equals_one_process(tmp_path, method, cp, heads, kv_heads):
+def test_cp_attention_equals_one_process(tmp_path, method, cp, heads, kv_heads, masked):
     q, k, v, weight = (t.requires_grad_() for t in _inputs(heads, kv_heads))
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
     (full * weight).sum().backward()
     expected = {"out": full.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
-    _run_ranks(_rank, cp, method, heads, kv_heads, str(tmp_path))
+    _run_ranks(_rank, cp, method, heads, kv_heads, masked, str(tmp_path))
     for r in range(cp):
         got = torch.load(tmp_path / f"rank{r}.pt")
         for name, value in expected.items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import QUICK, RECIPES, read_metrics, run_recipe
+from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -221,3 +221,22 @@ def _check_against_one_rank(name, overrides, model_overrides, tol, steps, out, b
     assert world == 1 if name.startswith("one_process") else world > 1
     assert 0 <= rows[-1]["memory_rank/rss_gib"] < world  # memory reduced over every rank
     assert rows[-1]["memory_min/rss_gib"] <= rows[-1]["memory/rss_gib"]
+
+
+def test_compare_shows_the_cp_runs_layouts_policies_and_their_parity(out, baselines):
+    """`meshforge compare --baseline` over the one-process run and two cp runs of the matrix (their
+    folders, or launched here when this test runs alone): cp is a layout and its method a policy."""
+    baselines([], CP_STEPS)
+    for name in ("cp2_alltoall", "fsdp2_cp2_tp2"):
+        if not (out / name / "run.json").exists():
+            _launch(out, name, CP_CONFIGS[name][0], CP_STEPS)
+    base = f"base-{CP_STEPS}steps"
+    runs = [str(out / n) for n in (base, "cp2_alltoall", "fsdp2_cp2_tp2")]
+    proc = run_cli(
+        ["compare", *runs, "--baseline", base, "--tol", "1e-5", "--out", str(out / "cmp")],
+        cwd=out,
+        program="meshforge",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cp2" in proc.stdout and "dp2-cp2-tp2" in proc.stdout and "cp alltoall" in proc.stdout
+    assert "cp allgather" in proc.stdout

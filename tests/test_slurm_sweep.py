@@ -254,10 +254,11 @@ def test_plan_prints_every_layout_and_launches_nothing(tmp_path):
     text = out.stdout
     assert "tp4: refused: mesh.tp = 4: n_kv_heads=2" in text
     table = [ln for ln in text.splitlines() if ln.startswith("│")]
-    assert len(table) == 9  # 10 layouts, tp4 refused
     fits = {ln.split("│")[1].strip(): ln.split("│")[-2].strip() for ln in table}
+    assert len(table) == 14  # 15 layouts of 5 dims, tp4 refused
+    assert "dp2-cp2" in fits and "cp4" in fits  # context parallel is a dimension like the others
     assert set(fits.values()) == {"yes", "no"}  # the limit splits them
-    assert "planned 10 points" in text and "nothing launched" in text
+    assert "planned 15 points" in text and "nothing launched" in text
     assert not (tmp_path / "sweep-debug_cpu-w4").exists()
 
 

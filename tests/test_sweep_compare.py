@@ -112,7 +112,7 @@ def test_sweep_records_every_point(sweep):
             "memory_breakdown"
         ]["per_rank"]
         assert abs(r["estimate_bytes"] / GiB / max(p["total_gib"] for p in per_rank) - 1) <= 0.05, r["label"]
-        assert set(r["mesh"]) == {"dp_replicate", "dp_shard", "tp", "pp"}
+        assert set(r["mesh"]) == set(MESH_DIMS)  # cp included
     best = max(finished, key=lambda r: r["tokens_per_sec"])
     assert f"fastest layout that fits: {best['label']}" in out
     assert " ".join(best["overrides"]) in out  # the overrides that reproduce it

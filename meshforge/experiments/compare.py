@@ -35,6 +35,8 @@ class Run:
         parts = []
         if self.info["mesh"]["pp"] > 1:
             parts.append(f"{r['pp']['schedule']} x{r['pp']['microbatches']}")
+        if self.info["mesh"].get("cp", 1) > 1:  # records from before cp have neither
+            parts.append(f"cp {r['cp']['method']}")
         if r["activation_checkpoint"]["mode"] != "none":
             parts.append(f"AC {r['activation_checkpoint']['mode']}")
         if r["fsdp"]["param_dtype"] != "float32":

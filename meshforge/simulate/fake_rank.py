@@ -19,6 +19,7 @@ from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms import Meshes, ParallelModel, build_meshes, parallelize
+from meshforge.run.launch.distributed import pick_device_type
 
 
 @contextlib.contextmanager
@@ -44,6 +45,7 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
             pp=recipe.pp,
             cp=recipe.cp,
             seq_len=recipe.train.seq_len,
+            device_type=pick_device_type(recipe.train.device),  # the run's kernels, traced on CPU
             ac=recipe.activation_checkpoint,
             compile=compile_off,
             fsdp=recipe.fsdp,

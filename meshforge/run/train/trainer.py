@@ -81,6 +81,7 @@ class Trainer(TrainingRun):
             pp=r.pp,
             cp=r.cp,
             seq_len=r.train.seq_len,
+            device_type=self.env.device.type,
             ac=r.activation_checkpoint,
             compile=r.compile,
             fsdp=r.fsdp,
