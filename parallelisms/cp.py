@@ -155,8 +155,9 @@ def allgather_attention(
     Each local chunk c attends to the keys of chunks 0..c, lower-right causal (its last query
     sees every one of them): `prefix_causal_attention`, unmasked on CPU; with `masked` (CUDA)
     through boolean masks of (2cp+1)/2cp x S x S/cp in all, kept for backward. torch's
-    `causal_lower_right` would spare them, but creating it failed intermittently on torch 2.13
-    ("raw Tensor object is already associated to a python object")."""
+    `causal_lower_right` spares nothing on torch 2.13: its Tensor subclass allocates a (2, L, S)
+    float32 tensor (and creating it failed intermittently: "raw Tensor object is already
+    associated to a python object")."""
     _check(q, k, cp, "allgather")
     order = _natural_order(cp)
     k_all, v_all = (

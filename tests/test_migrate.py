@@ -204,11 +204,29 @@ def test_torchtitan_job_files_map_with_titan_s_defaults(tmp_path):
     assert "applies only under FSDP in TorchTitan" in text
 
 
+def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):
+    """TorchTitan's own debug job with its context-parallel degree raised to 2 (that one line
+    changed, and a rotate method added): FSDP takes the rest of the world after cp, and each
+    rotate method maps."""
+    text = (TITAN / "debug_model.toml").read_text()
+    assert text.count("context_parallel_degree = 1") == 1
+    text = text.replace("context_parallel_degree = 1", "context_parallel_degree = 2")
+    (tmp_path / "titan").mkdir()
+    job = tmp_path / "titan" / "cp_job.toml"
+    job.write_text(text)
+    _, r, _ = _import(tmp_path, job, 8)
+    assert (r.mesh.dp_shard, r.mesh.cp, r.mesh.tp, r.cp.method) == (4, 2, 1, "allgather")
+    rotate = 'context_parallel_rotate_method = "alltoall"\n'
+    job.write_text(text.replace("context_parallel_degree = 2\n", "context_parallel_degree = 2\n" + rotate))
+    _, r, written = _import(tmp_path, job, 8)
+    assert r.cp.method == "alltoall" and "the same attention, other traffic" in written
+
+
 def test_torchtitan_refusals(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(
         '[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["float8"]\n'
-        "[training]\nsteps = 100\n[parallelism]\ncontext_parallel_degree = 2\n"
+        "[training]\nsteps = 100\n[parallelism]\nexpert_parallel_degree = 2\n"
         '[lr_scheduler]\nwarmup_steps = 10\ndecay_ratio = 0.5\ndecay_type = "sqrt"\n[made_up]\nkey = 1\n'
     )
     with pytest.raises(ImportRefused) as e:
@@ -216,7 +234,7 @@ def test_torchtitan_refusals(tmp_path):
     why = {s.key: s.why for s in e.value.imported.unsupported}
     assert set(why) == {
         "model.converters",
-        "parallelism.context_parallel_degree",
+        "parallelism.expert_parallel_degree",
         "lr_scheduler.decay_ratio",
         "lr_scheduler.decay_type",
         "made_up.key",

@@ -81,7 +81,6 @@ NOT_MAPPED = {
     "training.debug_moe_force_load_balance": "MoE only",
     "parallelism.enable_async_tensor_parallel": "a compile-time TP overlap: same math",
     "parallelism.enable_compiled_autograd": "a compile option: same math",
-    "parallelism.context_parallel_rotate_method": "context parallel only",
     "checkpoint.last_save_model_only": "meshforge's last checkpoint holds model and optimizer",
     "checkpoint.export_dtype": "use `meshforge export`",
     "checkpoint.last_save_in_hf": "use `meshforge export --to hf`",
@@ -168,8 +167,20 @@ def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tu
     """The mesh and pipeline; returns the data-parallel degree and the pipeline's microbatch size."""
     p = lambda key, default: k.take(f"parallelism.{key}", default)  # noqa: E731
     rep, shard = p("data_parallel_replicate_degree", 1), p("data_parallel_shard_degree", -1)
-    tp, pp = p("tensor_parallel_degree", 1), p("pipeline_parallel_degree", 1)
-    for key in ("context_parallel_degree", "expert_parallel_degree", "expert_tensor_parallel_degree"):
+    tp, pp, cp = (
+        p("tensor_parallel_degree", 1),
+        p("pipeline_parallel_degree", 1),
+        p("context_parallel_degree", 1),
+    )
+    rotate = p("context_parallel_rotate_method", "allgather")
+    if rotate == "alltoall":  # torch's ring exchange of K/V; ours is Ulysses: the same attention
+        out.notes.append(
+            "context_parallel_rotate_method = 'alltoall' -> cp.method = alltoall: TorchTitan passes K/V "
+            "around a ring, meshforge's alltoall exchanges heads (Ulysses): the same attention, other traffic"
+        )
+    elif rotate != "allgather":
+        out.refuse("parallelism.context_parallel_rotate_method", rotate, "allgather or alltoall")
+    for key in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
         if (v := p(key, 1)) != 1:
             out.refuse(f"parallelism.{key}", v, f"{key.split('_parallel')[0]} parallelism")
     if shard == -1:
@@ -177,11 +188,15 @@ def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tu
             raise UsageError(
                 "parallelism.data_parallel_shard_degree = -1 needs the world size: pass --world N"
             )
-        if world % (rep * tp * pp):
-            raise UsageError(f"--world {world} is not a multiple of replicate x tp x pp = {rep * tp * pp}")
-        shard = world // (rep * tp * pp)
+        if world % (rep * cp * tp * pp):
+            raise UsageError(
+                f"--world {world} is not a multiple of replicate x cp x tp x pp = {rep * cp * tp * pp}"
+            )
+        shard = world // (rep * cp * tp * pp)
     out.set("mesh.dp_replicate", rep)
     out.set("mesh.dp_shard", shard)
+    out.set("mesh.cp", cp)
+    out.set("cp.method", rotate if rotate in ("allgather", "alltoall") else "allgather")
     out.set("mesh.tp", tp)
     out.set("mesh.pp", pp)
     out.set("tp.loss_parallel", not p("disable_loss_parallel", False))
