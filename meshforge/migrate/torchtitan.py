@@ -13,54 +13,8 @@ import math
 from meshforge.core.errors import UsageError
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
+from meshforge.migrate.torchtitan_flavors import LLAMA3_FLAVORS
 from meshforge.parallelisms.pp import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES
-
-# TorchTitan 0.2's Llama 3 flavors over its TransformerModelArgs defaults, in meshforge's names
-# (every flavor applies Llama 3.1 RoPE scaling: factor 8 from an original context of 8192)
-_ARGS = dict(
-    vocab_size=128256,
-    multiple_of=256,
-    ffn_dim_multiplier=None,
-    norm_eps=1e-5,
-    rope_theta=10000.0,
-    rope_scaling_factor=8.0,
-    rope_original_max_seq_len=8192,
-)
-LLAMA3_FLAVORS = {
-    "debugmodel": dict(
-        _ARGS, dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048, rope_theta=500000.0
-    ),
-    "8B": dict(
-        _ARGS,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        rope_theta=500000.0,
-    ),
-    "70B": dict(
-        _ARGS,
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        rope_theta=500000.0,
-    ),
-    "405B": dict(
-        _ARGS,
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
-        multiple_of=4096,
-        rope_theta=500000.0,
-    ),
-}
 
 HELD_OUT = "TorchTitan's named datasets (c4_validation): point eval.path or eval.split at your copy"
 NOT_MAPPED = {
@@ -163,23 +117,27 @@ def _model(k: Keys, out: Imported, our_flavors: dict) -> int:
     return want["n_layers"]
 
 
-def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tuple[int, int | None]:
-    """The mesh and pipeline; returns the data-parallel degree and the pipeline's microbatch size."""
-    p = lambda key, default: k.take(f"parallelism.{key}", default)  # noqa: E731
-    rep, shard = p("data_parallel_replicate_degree", 1), p("data_parallel_shard_degree", -1)
-    tp, pp, cp = (
-        p("tensor_parallel_degree", 1),
-        p("pipeline_parallel_degree", 1),
-        p("context_parallel_degree", 1),
-    )
-    rotate = p("context_parallel_rotate_method", "allgather")
-    if rotate == "alltoall":  # torch's ring exchange of K/V; ours is Ulysses: the same attention
+def _context_parallel(cp: int, rotate: str, out: Imported) -> int:
+    """mesh.cp and cp.method; TorchTitan's alltoall passes K/V around a ring, ours is Ulysses."""
+    if rotate not in ("allgather", "alltoall"):
+        out.refuse("parallelism.context_parallel_rotate_method", rotate, "allgather or alltoall")
+    elif rotate == "alltoall":
         out.notes.append(
             "context_parallel_rotate_method = 'alltoall' -> cp.method = alltoall: TorchTitan passes K/V "
             "around a ring, meshforge's alltoall exchanges heads (Ulysses): the same attention, other traffic"
         )
-    elif rotate != "allgather":
-        out.refuse("parallelism.context_parallel_rotate_method", rotate, "allgather or alltoall")
+        out.set("cp.method", "alltoall")
+    return cp
+
+
+def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tuple[int, int | None]:
+    """The mesh and pipeline; returns the data-parallel degree and the pipeline's microbatch size."""
+    p = lambda key, default: k.take(f"parallelism.{key}", default)  # noqa: E731
+    rep, shard = p("data_parallel_replicate_degree", 1), p("data_parallel_shard_degree", -1)
+    tp, pp = p("tensor_parallel_degree", 1), p("pipeline_parallel_degree", 1)
+    cp = _context_parallel(
+        p("context_parallel_degree", 1), p("context_parallel_rotate_method", "allgather"), out
+    )
     for key in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
         if (v := p(key, 1)) != 1:
             out.refuse(f"parallelism.{key}", v, f"{key.split('_parallel')[0]} parallelism")
@@ -188,15 +146,12 @@ def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tu
             raise UsageError(
                 "parallelism.data_parallel_shard_degree = -1 needs the world size: pass --world N"
             )
-        if world % (rep * cp * tp * pp):
-            raise UsageError(
-                f"--world {world} is not a multiple of replicate x cp x tp x pp = {rep * cp * tp * pp}"
-            )
-        shard = world // (rep * cp * tp * pp)
+        if world % (rest := rep * cp * tp * pp):
+            raise UsageError(f"--world {world} is not a multiple of replicate x cp x tp x pp = {rest}")
+        shard = world // rest
     out.set("mesh.dp_replicate", rep)
     out.set("mesh.dp_shard", shard)
     out.set("mesh.cp", cp)
-    out.set("cp.method", rotate if rotate in ("allgather", "alltoall") else "allgather")
     out.set("mesh.tp", tp)
     out.set("mesh.pp", pp)
     out.set("tp.loss_parallel", not p("disable_loss_parallel", False))
