@@ -25,6 +25,8 @@ MESHES = {
         "tp.sequence_parallel=true",
         "tp.loss_parallel=true",
     ],
+    # context parallel: each rank scores its part of every held-out sequence, through eval()
+    "cp2_pp2": ["mesh.dp_shard=1", "mesh.cp=2", "mesh.tp=1", "mesh.pp=2"],
 }
 
 
@@ -71,7 +73,7 @@ def runs(tmp_path_factory):
 def test_the_eval_loss_is_the_same_on_every_mesh(runs):
     evals = {name: {r["step"]: r for r in read_metrics(runs / name) if "eval/loss" in r} for name in MESHES}
     assert all(sorted(e) == [2, 4] for e in evals.values())
-    for name in ("dp2_pp2", "tp2"):
+    for name in ("dp2_pp2", "tp2", "cp2_pp2"):
         for step in (2, 4):
             assert abs(evals[name][step]["eval/loss"] - evals["one"][step]["eval/loss"]) < 1e-5, (name, step)
     one = evals["one"]
