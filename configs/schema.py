@@ -18,7 +18,7 @@ def unread_with(condition: str, kind: str = "a mesh dimension of degree 1") -> s
     return f"; unread with {condition} ({kind}: {why}; it changes nothing then)"
 
 
-NO_FSDP = unread_with("one data-parallel rank and no cpu_offload (no FSDP)")
+NO_FSDP = unread_with("one data-parallel rank, mesh.cp = 1 and no cpu_offload (no FSDP)")
 NO_PP = unread_with("mesh.pp = 1")
 NO_EVAL = unread_with("eval.every = 0", "a switch")
 NO_SAVE = unread_with("checkpoint.enabled = false", "a switch")

@@ -149,9 +149,9 @@ def check_sequence_split(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
                 problems.append(Problem("cp.method", r.cp.method, f"{rule}: use {fix}"))
     local = seq // cp
     if dims.tp_enabled and r.tp.sequence_parallel and not problems and local % tp:
-        step = cp * tp
+        step = math.lcm(2 * cp, cp * tp) if dims.cp_enabled else tp  # cp's chunks, then SP's split
         what = f"each cp rank's {local} tokens" if dims.cp_enabled else "the sequence"
-        multiple = f"cp x tp = {step}" if dims.cp_enabled else str(tp)
+        multiple = f"lcm(2 x cp, cp x tp) = {step}" if dims.cp_enabled else str(tp)
         problems.append(
             Problem(
                 "train.seq_len",
@@ -167,7 +167,7 @@ def check_combinations(r: Recipe) -> list[Problem]:
     """Combinations measured wrong on torch 2.13 (CPU/gloo): refused, with the reason."""
     problems = []
     zero_bubble = r.mesh.pp > 1 and r.pp.schedule in ZERO_BUBBLE_SCHEDULES
-    if zero_bubble and r.mesh.dp_shard > 1 and r.fsdp.reshard_after_forward:
+    if zero_bubble and r.mesh.dp_shard * r.mesh.cp > 1 and r.fsdp.reshard_after_forward:  # FSDP shards
         problems.append(
             Problem(
                 "fsdp.reshard_after_forward",

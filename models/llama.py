@@ -188,8 +188,10 @@ class Transformer(nn.Module):
         """tokens (B, S) int -> logits (B, S, V); on a pipeline stage, hidden (B, S, D) in or out."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs_cis = self.freqs_cis
-        if self.rope_positions is not None:  # built before the weights had a device
-            freqs_cis = freqs_cis[self.rope_positions.to(freqs_cis.device)]
+        if self.rope_positions is not None:
+            if self.rope_positions.device != freqs_cis.device:  # set on the meta model: moved once
+                self.rope_positions = self.rope_positions.to(freqs_cis.device)
+            freqs_cis = freqs_cis[self.rope_positions]
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
         h = self.norm(h) if self.norm is not None else h

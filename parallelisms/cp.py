@@ -1,16 +1,17 @@
 """Context parallelism: every sequence split over the cp ranks, attention computed across them.
 
 Written for gloo as for NCCL: torch 2.13's `context_parallel` has no sharding rule for the CPU
-attention kernel, so the attention here calls `scaled_dot_product_attention` on local tensors
-and moves K/V (or heads) with functional collectives, whose backward is the matching collective.
+attention kernel, so the attention here runs on local tensors and moves K/V (or heads) with
+functional collectives, whose backward is the matching collective.
 
 Load balance: a sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r (head
 and tail), so under the causal mask every rank has the same attention work. Inputs, labels and
 RoPE positions are sharded the same way (`shard_sequence`, `positions`).
 
-Two methods (the recipe's choice once cp is a mesh dimension, issue 25):
-- allgather: K and V are all-gathered over cp; the local queries attend to the whole sequence
-  with the causal mask of their own positions (the backward reduce-scatters dK, dV).
+Two methods (`cp.method`):
+- allgather: K and V are all-gathered over cp; each local chunk attends to the keys up to its
+  own end (`prefix_causal_attention`: on CPU two fused calls merged by log-sum-exp, on CUDA SDPA
+  with a lower-right causal mask); the backward reduce-scatters dK, dV.
 - alltoall (DeepSpeed Ulysses): all-to-all from sequence-sharded to head-sharded, attention over
   the whole sequence on n_heads / cp heads, all-to-all back. Needs the heads (and kv heads) on
   each rank divisible by cp.
@@ -71,18 +72,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, cp: int, method: str) -> None:
         raise ValueError("; ".join(problems))
 
 
-def _natural_order(cp: int) -> torch.Tensor:
+@functools.cache
+def _natural_order(cp: int, device: torch.device) -> torch.Tensor:
     """For each chunk of the sequence in order, its index in a gather over cp (rank order, two
-    chunks a rank): indexing the gathered chunks with it puts the sequence back in order."""
+    chunks a rank): indexing the gathered chunks with it puts the sequence back in order. Cached
+    on the device: no host-to-device copy per layer."""
     held = [c for r in range(cp) for c in chunks_of(r, cp)]
-    return torch.tensor([held.index(c) for c in range(2 * cp)])
+    return torch.tensor([held.index(c) for c in range(2 * cp)], device=device)
 
 
 def _reorder_chunks(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """`x` (B, H, S, hd) cut into len(order) chunks along S, taken in `order`."""
     b, h, s, d = x.shape
     chunks = x.reshape(b, h, len(order), s // len(order), d)
-    return chunks.index_select(2, order.to(x.device)).reshape(b, h, s, d)
+    return chunks.index_select(2, order).reshape(b, h, s, d)
 
 
 def _lower_right_causal(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
@@ -132,12 +135,16 @@ class _PrefixCausalCPU(torch.autograd.Function):
 
 def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> torch.Tensor:
     """Causal attention of `q`, the last positions of those `k` and `v` hold. `masked`: SDPA with an
-    explicit (L x S) boolean mask (CUDA: its fused kernels take it; kept for backward); else
-    `_PrefixCausalCPU`, which builds no mask."""
+    explicit (L x S) boolean mask, K and V repeated to every query head first (on CUDA only the
+    flash and math kernels take GQA, and flash takes no mask: the memory-efficient kernel then
+    takes the mask, as a float bias it keeps for backward); else `_PrefixCausalCPU`, no mask."""
     if not masked:
         return _PrefixCausalCPU.apply(q, k, v)
-    mask = _lower_right_causal(q.shape[2], k.shape[2], q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # query head h reads kv head h // groups
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=_lower_right_causal(q.shape[2], k.shape[2], q.device)
+    )
 
 
 def allgather_attention(
@@ -154,12 +161,13 @@ def allgather_attention(
 
     Each local chunk c attends to the keys of chunks 0..c, lower-right causal (its last query
     sees every one of them): `prefix_causal_attention`, unmasked on CPU; with `masked` (CUDA)
-    through boolean masks of (2cp+1)/2cp x S x S/cp in all, kept for backward. torch's
+    through masks of (2cp+1) x S^2 / (4cp^2) elements in all (about S/2cp x S), kept for
+    backward. torch's
     `causal_lower_right` spares nothing on torch 2.13: its Tensor subclass allocates a (2, L, S)
     float32 tensor (and creating it failed intermittently: "raw Tensor object is already
     associated to a python object")."""
     _check(q, k, cp, "allgather")
-    order = _natural_order(cp)
+    order = _natural_order(cp, q.device)
     k_all, v_all = (
         _reorder_chunks(funcol.all_gather_single_autograd(t.contiguous(), gather_dim=2, group=group), order)
         for t in (k, v)
@@ -204,7 +212,7 @@ def alltoall_attention(
     `masked` are unused: the all-to-all orders the sequence by rank, the same on every rank, and
     the whole sequence's causal attention needs no mask)."""
     _check(q, k, cp, "alltoall")
-    order = _natural_order(cp)
+    order = _natural_order(cp, q.device)
     qh, kh, vh = (_reorder_chunks(_seq_sharded_to_head_sharded(t, group, cp), order) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=qh.shape[1] != kh.shape[1])
     return _head_sharded_to_seq_sharded(_reorder_chunks(out, torch.argsort(order)), group, cp)

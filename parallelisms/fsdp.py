@@ -2,8 +2,9 @@
 
 Each transformer block is one all-gather/reduce-scatter group; the embeddings are one,
 and norm + output another (kept unsharded after forward: backward needs them first).
-With a 2-D (dp_replicate, dp_shard) mesh this is HSDP; with dp_shard = 1, replication;
-on one data-parallel rank it applies only for `cpu_offload` (`fsdp_applies`).
+With a 2-D (dp_replicate, dp_shard) mesh this is HSDP; with dp_shard = 1, replication; under
+context parallel it shards over dp_shard x cp (the cp ranks' gradients are summed); on one
+data-parallel rank without cp it applies only for `cpu_offload` (`fsdp_applies`).
 """
 
 from __future__ import annotations

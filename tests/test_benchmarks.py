@@ -138,6 +138,8 @@ def test_context_parallel_benchmark_writes_its_results(tmp_path):
     assert cp2["activation_bytes"] < one["activation_bytes"]  # each rank holds half of every sequence
     for r in (one, cp2):
         assert r["step_s"] > 0 and r["estimate_error"] == r["estimate_bytes"] / r["peak_bytes"] - 1
-    allgather, alltoall = result["h100"]
-    assert alltoall["received_mib_per_layer"] < allgather["received_mib_per_layer"]  # 280 vs 448 MiB at cp 8
+        assert abs(r["estimate_error"]) <= 0.05  # the traced estimate of a cp rank, against its run
+    at = {(r["cp"], r["method"]): r["received_mib_per_layer"] for r in result["h100"]}
+    # Llama 3 8B at 128K: Ulysses moves fewer bytes than the K/V gather only past cp = 1 + H/KVH = 5
+    assert at[(4, "alltoall")] > at[(4, "allgather")] and at[(8, "alltoall")] < at[(8, "allgather")]
     assert "| 128 | cp2-alltoall |" in (tmp_path / "context_parallel.md").read_text()

@@ -18,7 +18,7 @@ def test_the_default_run_s_terminal(tmp_path):
     proc = run_cli(["train.steps=6"], cwd=tmp_path, env=cli_env(WANDB_MODE="offline"), fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "on 8 x cpu [pp=2, dp_replicate=1, dp_shard=2, tp=2]" in out
+    assert "on 8 x cpu [pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2]" in out
     assert re.search(r"step 6/6 .* ETA 0:00", out)
     assert "[rank" not in out + proc.stderr  # the ranks write to their log files
     warnings = [line for line in (out + proc.stderr).splitlines() if "warn" in line.lower()]

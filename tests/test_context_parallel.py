@@ -13,6 +13,7 @@ from conftest import start_session_rank_server
 
 from meshforge.parallelisms.cp import (
     ATTENTION,
+    _lower_right_causal,
     positions,
     prefix_causal_attention,
     shape_problems,
@@ -66,8 +67,8 @@ def test_prefix_causal_attention_without_a_mask_equals_the_masked_one(dtype, tol
         results.append([out.detach().float(), *(t.grad.float() for t in leaves)])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         assert (a - b).abs().max().item() < tol, name
-    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)  # query i is position 7 + i
-    assert mask[0, 7] and not mask[0, 8] and mask[4].all()
+    mask = _lower_right_causal(5, 12, torch.device("cpu"))  # the masked kernel's: query i is position 7 + i
+    assert mask.sum(1).tolist() == [8, 9, 10, 11, 12] and mask[0, 7] and not mask[0, 8]
 
 
 def _inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:

@@ -191,11 +191,19 @@ def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
         for line in proc.stdout.splitlines()
         if line.startswith("│ ")
     }
-    # tied embeddings run on every mesh: 16 layouts traced; pp 4 and 8 need more than llm_1b's
-    # 2 samples per rank (one microbatch per stage at least), pp 8 more than 4 blocks
-    assert len(rows) == 16 and {"tp8", "tp4-pp2", "dp2-tp2-pp2", "dp8", "dprep8"} <= set(rows)
+    # tied embeddings run on every mesh: 30 of the 35 layouts traced (cp among them); pp 4 and 8 need
+    # more than llm_1b's 2 samples per rank (one microbatch per stage at least), pp 8 more than 4 blocks
+    assert len(rows) == 30 and {
+        "tp8",
+        "tp4-pp2",
+        "dp2-tp2-pp2",
+        "dp8",
+        "dprep8",
+        "cp8",
+        "dp2-cp2-tp2",
+    } <= set(rows)
     refused = [line for line in proc.stdout.splitlines() if ": refused: " in line]
-    assert len(refused) == 4 and all(
+    assert len(refused) == 5 and all(
         "pp.microbatches" in line or "stages but only" in line for line in refused
     )
     assert "pp8: refused: mesh.pp = 8: 8 pipeline stages but only 4 layers" in proc.stdout

@@ -206,8 +206,8 @@ def test_torchtitan_job_files_map_with_titan_s_defaults(tmp_path):
 
 def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):
     """TorchTitan's own debug job with its context-parallel degree raised to 2 (that one line
-    changed, and a rotate method added): FSDP takes the rest of the world after cp, and each
-    rotate method maps."""
+    changed, and a rotate method added): FSDP takes the rest of the world after cp, and both rotate
+    methods (K/V gathered, or passed around a ring) map to allgather."""
     text = (TITAN / "debug_model.toml").read_text()
     assert text.count("context_parallel_degree = 1") == 1
     text = text.replace("context_parallel_degree = 1", "context_parallel_degree = 2")
@@ -219,7 +219,7 @@ def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):
     rotate = 'context_parallel_rotate_method = "alltoall"\n'
     job.write_text(text.replace("context_parallel_degree = 2\n", "context_parallel_degree = 2\n" + rotate))
     _, r, written = _import(tmp_path, job, 8)
-    assert r.cp.method == "alltoall" and "the same attention, other traffic" in written
+    assert r.cp.method == "allgather" and "the same attention, other traffic" in written
 
 
 def test_torchtitan_refusals(tmp_path):

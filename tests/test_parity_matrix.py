@@ -155,6 +155,18 @@ CP_CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     ),
     "qwen3_cp2_alltoall": (["mesh.cp=2", "cp.method=alltoall", *QWEN3], QWEN3, 1e-5),
     "tied_cp2_pp2": (["mesh.cp=2", "mesh.pp=2", *TIED], TIED, 1e-5),
+    "cp2_alltoall_tp2": (
+        ["mesh.cp=2", "cp.method=alltoall", "mesh.tp=2", *KV4],
+        KV4,
+        1e-5,
+    ),  # heads of a TP rank
+    "cp2_alltoall_pp2": (["mesh.cp=2", "cp.method=alltoall", "mesh.pp=2"], [], 1e-5),
+    "cp2_pp2_zbv": (
+        ["mesh.cp=2", "mesh.pp=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *ZB_FSDP],
+        [],
+        1e-5,
+    ),
+    "cp2_fsdp2_bf16": (["mesh.cp=2", "mesh.dp_shard=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
 }
 
 

@@ -160,7 +160,20 @@ def test_context_parallel_rules_name_the_field_the_value_and_the_valid_choices(t
         tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 4\n[model]\nn_kv_heads = 4\n[train]\nseq_len = 4\n"
     )
     assert (
-        "sequence parallel shards each cp rank's 2 tokens over tp=4: use a multiple of cp x tp = 8"
+        "sequence parallel shards each cp rank's 2 tokens over tp=4: use a multiple of "
+        "lcm(2 x cp, cp x tp) = 8" in p["train.seq_len"]
+    )
+    # FSDP shards over dp_shard x cp: the zero-bubble refusal holds with dp_shard 1 under cp
+    zbv = "[mesh]\ndp_shard = 1\ncp = 2\npp = 2\n[pp]\nschedule = 'ZBVZeroBubble'\nstages_per_rank = 2\n"
+    p = problems(tmp_path, zbv + "[train]\nseq_len = 32\n")
+    assert (
+        "ZBVZeroBubble with FSDP resharding after forward gives wrong gradients"
+        in p["fsdp.reshard_after_forward"]
+    )
+    # an odd tp: the suggestion keeps cp's 2 x cp chunks too (18 would not: 4 chunks of 4.5)
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 3\n[train]\nseq_len = 20\n")
+    assert (
+        "each cp rank's 10 tokens over tp=3: use a multiple of lcm(2 x cp, cp x tp) = 12, e.g. 12"
         in (p["train.seq_len"])
     )
     p = problems(tmp_path, "backend = 'jax'\n[mesh]\ndp_shard = 1\ncp = 2\n[train]\nseq_len = 32\n")

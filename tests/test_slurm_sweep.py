@@ -229,7 +229,8 @@ def test_the_readme_llm_8b_command_submits_two_node_jobs(tmp_path):
     assert proc.returncode == 130 and "4 job(s) left to the scheduler" in err, err[-2000:]
     rows = rows_of(sweep_dir)
     status = [r["status"] for r in rows]
-    assert status.count("queued") == 4 and status.count("refused") == 21 and status.count("skipped") == 2
+    # 36 of the 70 layouts refused: with one sample a rank, every pipeline has too few microbatches
+    assert status.count("queued") == 4 and status.count("refused") == 36 and status.count("skipped") == 2
     for r in (r for r in rows if r["status"] == "queued"):
         script = Path(r["script"]).read_text()
         for line in (

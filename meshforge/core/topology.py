@@ -2,7 +2,7 @@
 
 Mesh dims, outer to inner: pp, dp_replicate, dp_shard, cp, tp (TorchTitan's order). Tensor
 parallel is innermost so its ranks are neighbours (same node, fastest links); context parallel
-next (an all-gather of K/V or two all-to-alls per layer, more traffic than data parallel's
+next (an all-gather of K/V or four all-to-alls per layer, more traffic than data parallel's
 once-a-step reductions, less than TP's); pipeline is outermost (least traffic). FSDP shards over
 dp_shard x cp together: the cp ranks hold other tokens of the same samples, so their gradients
 are summed like data-parallel ones.

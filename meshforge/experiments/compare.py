@@ -41,7 +41,10 @@ class Run:
             parts.append(f"AC {r['activation_checkpoint']['mode']}")
         if r["fsdp"]["param_dtype"] != "float32":
             parts.append(r["fsdp"]["param_dtype"])
-        if not r["fsdp"]["reshard_after_forward"] and self.info["mesh"]["dp_shard"] > 1:
+        if (
+            not r["fsdp"]["reshard_after_forward"]
+            and self.info["mesh"]["dp_shard"] * self.info["mesh"].get("cp", 1) > 1
+        ):
             parts.append("no reshard")
         if r["compile"]["enabled"]:
             parts.append("compile")

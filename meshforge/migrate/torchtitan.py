@@ -118,15 +118,16 @@ def _model(k: Keys, out: Imported, our_flavors: dict) -> int:
 
 
 def _context_parallel(cp: int, rotate: str, out: Imported) -> int:
-    """mesh.cp and cp.method; TorchTitan's alltoall passes K/V around a ring, ours is Ulysses."""
+    """mesh.cp (cp.method stays allgather: TorchTitan's alltoall passes K/V around a ring, closer to
+    all-gathering them than to Ulysses, which would also ask heads divisible by cp)."""
     if rotate not in ("allgather", "alltoall"):
         out.refuse("parallelism.context_parallel_rotate_method", rotate, "allgather or alltoall")
     elif rotate == "alltoall":
         out.notes.append(
-            "context_parallel_rotate_method = 'alltoall' -> cp.method = alltoall: TorchTitan passes K/V "
-            "around a ring, meshforge's alltoall exchanges heads (Ulysses): the same attention, other traffic"
+            "context_parallel_rotate_method = 'alltoall' -> cp.method = allgather: TorchTitan passes K/V "
+            "around a ring, meshforge gathers them: the same attention, other traffic (cp.method=alltoall "
+            "is Ulysses, heads exchanged)"
         )
-        out.set("cp.method", "alltoall")
     return cp
 
 

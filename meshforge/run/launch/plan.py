@@ -140,8 +140,9 @@ def check_machine(plan: Plan, device_type: str, launching_locally: bool) -> list
         if need > have:
             problems.append(
                 f"model states and activations need about {need / GiB:.1f} GiB per GPU but a GPU has "
-                f"{have / GiB:.1f} GiB; shard more (mesh.dp_shard, mesh.tp, mesh.pp), lower "
-                "train.micro_batch_size or train.seq_len, or use activation_checkpoint.mode=full"
+                f"{have / GiB:.1f} GiB; shard more (mesh.dp_shard, mesh.tp, mesh.pp; mesh.cp splits the "
+                "sequence), lower train.micro_batch_size or train.seq_len, or use "
+                "activation_checkpoint.mode=full"
             )
         offloaded, host = plan.host_state_bytes_per_rank * local, host_memory_bytes()
         if offloaded > 0.7 * host:

@@ -171,7 +171,7 @@ def dump_oom(
             else ""
         )
         + ". Lower train.micro_batch_size, set activation_checkpoint.mode=full, or shard more "
-        "(mesh.dp_shard, mesh.tp, mesh.pp)"
+        "(mesh.dp_shard, mesh.tp, mesh.pp; mesh.cp splits the sequence)"
     )
     (run_dir / f"oom-rank{rank}.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -213,8 +213,8 @@ class Trainer(TrainingRun):
         skip = self.tied.norm_skips()
         grad_norm = clip_grad_norm(self.params, r.train.max_norm, self.pp_group, 1.0 / scale, skip)
         # every last-stage rank holds its dp slice's sum (of its cp part's tokens); tp ranks hold
-        # copies of it. A stop
-        # request (SIGTERM) rides along in the same all-reduce, so all ranks stop together.
+        # copies of it. A stop request (SIGTERM) rides along in the same all-reduce, so all ranks
+        # stop together.
         packed = torch.stack([ce_total, torch.tensor(float(self.stop.requested), device=env.device)])
         if dist.is_initialized():
             dist.all_reduce(packed)
