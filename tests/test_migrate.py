@@ -4,6 +4,7 @@ that did not map, and refuse what meshforge cannot do with exit 2 and no file wr
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,8 @@ def test_what_meshforge_cannot_do_is_refused_with_each_key_and_nothing_written(t
         import_config(DS / "zeropp_ulysses_moe.json", tmp_path / "x.toml", 16, model="llama3:debug")
     keys = {s.key for s in e.value.imported.unsupported}
     assert {"zero_optimization.zero_quantized_weights", "zero_optimization.zero_hpz_partition_size"} <= keys
-    assert {"sequence_parallel_size", "moe.enabled"} <= keys and e.value.exit_code == 2
+    assert "moe.enabled" in keys and e.value.exit_code == 2
+    assert "sequence_parallel_size" not in keys  # DeepSpeed-Ulysses imports as mesh.cp (below)
     assert not (tmp_path / "x.toml").exists()
 
     with pytest.raises(ImportRefused) as e:
@@ -202,6 +204,20 @@ def test_torchtitan_job_files_map_with_titan_s_defaults(tmp_path):
     _, r, text = _import(tmp_path, TITAN / "debug_model.toml", 1)
     assert r.mesh.dp_shard == 1 and r.fsdp.param_dtype == "float32"
     assert "applies only under FSDP in TorchTitan" in text
+
+
+def test_deepspeed_ulysses_maps_to_mesh_cp_alltoall(tmp_path):
+    """sequence_parallel_size: DeepSpeed-Ulysses is cp.method = alltoall; the batch divides by the
+    data-parallel ranks without sp (DeepSpeed's rule), ZeRO 3's partitions become FSDP over dp x cp."""
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    src = tmp_path / "ulysses.json"
+    src.write_text(json.dumps({**cfg, "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2}))
+    imported, r, text = _import(tmp_path, src, 8, model="llama3:debug")
+    assert (r.mesh.dp_shard, r.mesh.cp, r.cp.method, r.train.global_batch_size) == (4, 2, "alltoall", 8)
+    assert "cp.method = alltoall (Ulysses)" in text and not imported.unsupported
+    src.write_text(json.dumps({**cfg, "sequence_parallel_size": 3}))
+    with pytest.raises(UsageError, match="sequence_parallel_size = 3 must be a positive divisor of 8 ranks"):
+        import_config(src, tmp_path / "x.toml", 8, model="llama3:debug")
 
 
 def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):

@@ -51,7 +51,6 @@ UNSUPPORTED = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitions: use HSDP",
     "zero_optimization.mics_shard_size": "MiCS sharding: use mesh.dp_replicate x mesh.dp_shard (HSDP)",
-    "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallel (meshforge has TP's sequence parallel)",
     "moe": "mixture of experts",
     "elasticity": "elastic batch sizes",
     "compression_training": "compression",
@@ -120,7 +119,7 @@ def from_deepspeed(data: dict, world: int, block_weights: tuple[float, float]) -
     for DeepSpeed's partition by parameters."""
     out, k = Imported("DeepSpeed"), Keys(data)
     pp = _pipeline(k, out, world, block_weights)
-    dp = world // pp
+    dp = world // (pp * _ulysses(k, out, world // pp))
     get = lambda key: None if (v := k.take(key)) is MISSING else v  # noqa: E731
     tb, mb, ga = _batch(
         get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps"), dp
@@ -155,6 +154,23 @@ def from_deepspeed(data: dict, world: int, block_weights: tuple[float, float]) -
         out.set("compile.enabled", bool(v))
     k.classify_rest(out, NOT_MAPPED, UNSUPPORTED)
     return out
+
+
+def _ulysses(k: Keys, out: Imported, ranks: int) -> int:
+    """DeepSpeed-Ulysses' sequence_parallel_size is mesh.cp with cp.method = alltoall (heads
+    exchanged); ZeRO partitions over its dp x sp ranks as FSDP does over dp_shard x cp, and the
+    data-parallel degree the batch divides by leaves sp out, as DeepSpeed's does."""
+    sp = k.take("sequence_parallel_size", 1)
+    if not isinstance(sp, int) or sp < 1 or ranks % sp:
+        raise UsageError(f"sequence_parallel_size = {sp!r} must be a positive divisor of {ranks} ranks")
+    out.set("mesh.cp", sp)
+    if sp > 1:
+        out.set("cp.method", "alltoall")
+        out.notes.append(
+            f"sequence_parallel_size = {sp} -> mesh.cp = {sp}, cp.method = alltoall (Ulysses); FSDP shards "
+            "over dp_shard x cp as ZeRO partitions over dp x sp"
+        )
+    return sp
 
 
 def _pipeline(k: Keys, out: Imported, world: int, block_weights: tuple[float, float]) -> int:
