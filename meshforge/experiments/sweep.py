@@ -1,6 +1,6 @@
 """Sweep one recipe over every valid mesh shape (and policy axes) to find the fastest layout.
 
-W&B's sweep controller needs a server and cannot express dp_replicate*dp_shard*tp*pp ==
+W&B's sweep controller needs a server and cannot express dp_replicate*dp_shard*cp*tp*pp ==
 world size, so the grid is built here. First the plan: every point is validated (refusals
 are recorded with the reason) and its traced estimate computed, all at once on a pool of
 simulated ranks; points that do not fit the device memory are skipped (`--plan` stops
