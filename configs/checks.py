@@ -52,7 +52,7 @@ def check_enums(r: Recipe) -> list[Problem]:
         "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
         "lr_scheduler.warmup_shape": (r.lr_scheduler.warmup_shape, ("linear", "log")),
         "lr_scheduler.convention": (r.lr_scheduler.convention, ("torchtitan", "deepspeed")),
-        "activation_checkpoint.mode": (r.activation_checkpoint.mode, ("none", "full", "selective")),
+        "activation_checkpoint.mode": (r.activation_checkpoint.mode, ("none", "full", "selective", "op")),
         "data.source": (r.data.source, ("synthetic", "files", "hf")),
         "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
         "optimizer.name": (r.optimizer.name, ("adamw",)),

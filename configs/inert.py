@@ -98,4 +98,12 @@ def check_inert(r: Recipe) -> list[Problem]:
             f"activation_checkpoint.mode = {r.activation_checkpoint.mode!r} checkpoints no Nth block",
             "set activation_checkpoint.mode=selective",
         )
+    if r.activation_checkpoint.mode != "op":
+        problems += unread_problems(
+            "activation_checkpoint",
+            r.activation_checkpoint,
+            ("op_save",),
+            f"activation_checkpoint.mode = {r.activation_checkpoint.mode!r} keeps no op's outputs",
+            "set activation_checkpoint.mode=op",
+        )
     return problems

@@ -144,8 +144,29 @@ class PPConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: str = F("none", "none | full | selective (every Nth block)")
+    mode: str = F(
+        "none",
+        "none | full | selective (every Nth block) | op (per op, every block: the outputs of the ops "
+        "in op_save are kept, but every second matmul's, and the rest recomputed: TorchTitan's SAC)",
+    )
     selective_every: int = F(2, "with mode=selective: checkpoint every Nth transformer block")
+    op_save: List[str] = F(
+        [
+            "aten.mm",
+            "aten.addmm",
+            "aten.bmm",
+            "aten.linear",
+            "aten._scaled_dot_product_flash_attention",
+            "aten._scaled_dot_product_efficient_attention",
+            "aten._scaled_dot_product_cudnn_attention",
+            "aten._scaled_dot_product_flash_attention_for_cpu",
+            "aten._scaled_dot_product_attention_math",
+            "aten.max",
+            "_c10d_functional.reduce_scatter_tensor",
+            "_c10d_functional.all_to_all_single",
+        ],
+        "with mode=op: the ops (namespace.name, their default overload) whose outputs are kept",
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
+from meshforge.parallelisms.ac import unknown_ops
 from meshforge.parallelisms.cp import ATTENTION, shape_problems
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
@@ -52,6 +53,7 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
             problems += check_pipeline(r.pp, dims.pp, args.n_layers, r.train.micro_batch_size)
         problems += check_combinations(r)
     problems += checks.check(r)
+    problems += check_op_names(r)
     if args is not None:
         problems += check_hf_init(r, args)
     return problems
@@ -204,6 +206,24 @@ def check_combinations(r: Recipe) -> list[Problem]:
             )
         )
     return problems
+
+
+def check_op_names(r: Recipe) -> list[Problem]:
+    """Per-op AC names ops by namespace.name: one torch does not have is refused, not skipped."""
+    ac = r.activation_checkpoint
+    unknown = unknown_ops(ac.op_save) if ac.mode == "op" else []
+    return (
+        [
+            Problem(
+                "activation_checkpoint.op_save",
+                unknown,
+                "not ops of this torch: name each as namespace.name, e.g. aten.mm or "
+                "_c10d_functional.reduce_scatter_tensor",
+            )
+        ]
+        if unknown
+        else []
+    )
 
 
 def check_hf_init(r: Recipe, args) -> list[Problem]:

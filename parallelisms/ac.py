@@ -1,32 +1,86 @@
 """Activation checkpointing: recompute a block's activations in backward instead of storing them.
 
 The block's forward is wrapped in place (not the module), so parameter names stay
-`layers.N.attention.wq.weight` for checkpoints, TP plans and golden files.
+`layers.N.attention.wq.weight` for checkpoints, TP plans and golden files. Modes: `full` (every
+block), `selective` (every Nth block), `op` (every block, per op: torch's selective checkpoint
+contexts keep the outputs of the listed ops, matmuls, attention, TP's reduce-scatters, but
+recompute every second matmul and everything else; TorchTitan's default policy).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from meshforge.configs.schema import ActivationCheckpointConfig
 
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear")  # every second one is recomputed
+
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
-    """mode=full: every block; mode=selective: every `selective_every`-th block (by layer id)."""
+    """mode=full: every block; mode=selective: every `selective_every`-th block (by layer id);
+    mode=op: every block, keeping the outputs of `cfg.op_save` but every second matmul's."""
     if cfg.mode == "none":
         return
+    save = resolve_ops(cfg.op_save) if cfg.mode == "op" else None
     for layer_id, block in model.layers.items():
-        if cfg.mode == "full" or int(layer_id) % cfg.selective_every == 0:
-            block.forward = _checkpointed(block.forward)
+        if cfg.mode in ("full", "op") or int(layer_id) % cfg.selective_every == 0:
+            block.forward = _checkpointed(block.forward, save)
 
 
-def _checkpointed(forward):
-    """`forward` under non-reentrant checkpointing, as a closure: torch.compile(fullgraph=True) of
-    the block traces a closure that calls `checkpoint`, but finds no frame to compile in a
-    functools.partial of it (torch 2.13), so AC with compile failed at the first step."""
+def resolve_ops(names: list[str]) -> set:
+    """`namespace.name` -> torch.ops.namespace.name.default; a name torch does not have raises
+    (validation reports it first: `unknown_ops`)."""
+    return {_op(name) for name in names}
+
+
+def unknown_ops(names: list[str]) -> list[str]:
+    """The names of `names` that are no op of this torch."""
+    unknown = []
+    for name in names:
+        try:
+            _op(name)
+        except (AttributeError, ValueError):
+            unknown.append(name)
+    return unknown
+
+
+def _op(name: str):
+    namespace, _, op = name.partition(".")
+    if not op:
+        raise ValueError(f"{name!r} is not namespace.name")
+    return getattr(getattr(torch.ops, namespace), op).default
+
+
+def _keep_policy(save: set):
+    """TorchTitan's per-op policy: keep the outputs of `save`, but recompute every second matmul
+    (counted apart in the forward and in the recompute, so both make the same choices)."""
+    matmuls = {_op(name) for name in MATMULS}
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in matmuls:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpointed(forward, save: set | None = None):
+    """`forward` under non-reentrant checkpointing (per op when `save` is given), as a closure:
+    torch.compile(fullgraph=True) of the block traces a closure that calls `checkpoint`, but finds
+    no frame to compile in a functools.partial of it (torch 2.13), so AC with compile failed at
+    the first step."""
+
+    def contexts():
+        return create_selective_checkpoint_contexts(_keep_policy(save))
+
+    kw = {"context_fn": contexts} if save is not None else {}
 
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kw, **kwargs)
 
     return run

@@ -7,8 +7,9 @@
                commutes with TP and FSDP); before compile, so the collectives are compiled in.
 2. TP        - turns Linear/Embedding weights into DTensors on the tp mesh; must come
                before FSDP, which shards those DTensors again over dp (2-D weights).
-3. AC        - wraps block forwards; inside FSDP's hooks so the recompute in backward
-               runs while the block's parameters are still gathered.
+3. AC        - wraps block forwards (whole blocks, or per op: `activation_checkpoint.mode=op`);
+               inside FSDP's hooks so the recompute in backward runs while the block's
+               parameters are still gathered.
 4. compile   - per block, after AC so the checkpointed region is compiled as one, and
                before FSDP so FSDP's hooks stay outside the compiled graph.
 5. FSDP      - last: it groups whatever the earlier steps left, per block plus root.

@@ -108,6 +108,14 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tp2_ac_selective": (["mesh.tp=2", "activation_checkpoint.mode=selective"], [], 1e-5),
     "fsdp2_bf16": (["mesh.dp_shard=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
     "fsdp2_compile": (["mesh.dp_shard=2", "compile.enabled=true"], [], 1e-5),
+    "fsdp2_ac_op": (["mesh.dp_shard=2", "activation_checkpoint.mode=op"], [], 1e-5),  # per-op SAC
+    "tp2_ac_op": (["mesh.tp=2", "activation_checkpoint.mode=op"], [], 1e-5),
+    "pp2_ac_op": (["mesh.pp=2", "activation_checkpoint.mode=op"], [], 1e-5),
+    "fsdp2_ac_op_compile": (
+        ["mesh.dp_shard=2", "activation_checkpoint.mode=op", "compile.enabled=true"],
+        [],
+        1e-5,
+    ),
     "fsdp2_ac_full_compile": (
         ["mesh.dp_shard=2", "activation_checkpoint.mode=full", "compile.enabled=true"],
         [],
@@ -160,6 +168,7 @@ CP_CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
         KV4,
         1e-5,
     ),  # heads of a TP rank
+    "cp2_tp2_ac_op": (["mesh.cp=2", "mesh.tp=2", "activation_checkpoint.mode=op"], [], 1e-5),
     "cp2_alltoall_pp2": (["mesh.cp=2", "cp.method=alltoall", "mesh.pp=2"], [], 1e-5),
     "cp2_pp2_zbv": (
         ["mesh.cp=2", "mesh.pp=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *ZB_FSDP],

@@ -186,6 +186,20 @@ def test_context_parallel_rules_name_the_field_the_value_and_the_valid_choices(t
     assert ParallelDims.from_config(recipe.mesh).label() == "dp4-cp2"
 
 
+def test_per_op_ac_names_ops_torch_has_and_is_read_only_in_its_mode(tmp_path):
+    bad = "[activation_checkpoint]\nmode = 'op'\nop_save = ['aten.mm', 'aten.matmull', 'mm']\n"
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, SINGLE + bad))
+    (problem,) = [p for p in e.value.problems if p.field == "activation_checkpoint.op_save"]
+    assert problem.value == ["aten.matmull", "mm"] and "not ops of this torch" in problem.message
+    p = problems(tmp_path, SINGLE + "[activation_checkpoint]\nmode = 'full'\nop_save = ['aten.mm']\n")
+    assert (
+        "is not read" in p["activation_checkpoint.op_save"]
+        and "mode=op" in p["activation_checkpoint.op_save"]
+    )
+    load_recipe(write(tmp_path, SINGLE + "[activation_checkpoint]\nmode = 'op'\nop_save = ['aten.mm']\n"))
+
+
 def test_layers_vs_pipeline_stages(tmp_path):
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\npp = 8\n[train]\nmicro_batch_size = 8\n")
     assert "8 pipeline stages but only 4 layers" in p["mesh.pp"]

@@ -39,6 +39,6 @@ def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
     elif r.activation_checkpoint.mode == "selective":
         kept = layers * (1 - 1 / r.activation_checkpoint.selective_every)
         stored = kept * per_layer + (layers - kept) * tokens * args.dim * bytes_per_value + per_layer
-    else:
+    else:  # none, and per-op AC counted as none: an upper bound (the traced estimate sees what it keeps)
         stored = layers * per_layer
     return stored + 12 * tokens * args.vocab_size / dims.tp
