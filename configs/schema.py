@@ -7,31 +7,10 @@ may say, its defaults, and (through `field_doc`) the help that `meshforge explai
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
-
-def unread_with(condition: str, kind: str = "a mesh dimension of degree 1") -> str:
-    """A field doc's note on a setting another choice leaves unread, and why that is harmless
-    (configs/inert.py refuses the ones that are not)."""
-    why = "kept so the one field turns it on" if kind == "a switch" else "kept for the meshes that use it"
-    return f"; unread with {condition} ({kind}: {why}; it changes nothing then)"
-
-
-NO_FSDP = unread_with("one data-parallel rank, mesh.cp = 1 and no cpu_offload (no FSDP)")
-NO_PP = unread_with("mesh.pp = 1")
-NO_EVAL = unread_with("eval.every = 0", "a switch")
-NO_SAVE = unread_with("checkpoint.enabled = false", "a switch")
-NO_WANDB = unread_with("logging.wandb = false", "a switch")
-
-
-def F(default: Any, doc: str) -> Any:
-    """A dataclass field with a default and a one-line doc (read by `meshforge explain`)."""
-    if dataclasses.is_dataclass(default):
-        return field(default_factory=type(default), metadata={"doc": doc})
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+from .fields import NO_EVAL, NO_FSDP, NO_PP, NO_SAVE, NO_WANDB, F, unread_with
 
 
 @dataclass
@@ -142,6 +121,16 @@ class PPConfig:
     output_weight: float = F(0.0, "norm + output counted as this many layers when balancing stages" + NO_PP)
 
 
+# per-op AC keeps the outputs of these (TorchTitan's default list): matmuls, attention, TP's and
+# Ulysses' collectives
+SAC_SAVE_OPS = (
+    "aten.mm aten.addmm aten.bmm aten.linear aten.max aten._scaled_dot_product_flash_attention "
+    "aten._scaled_dot_product_efficient_attention aten._scaled_dot_product_cudnn_attention "
+    "aten._scaled_dot_product_flash_attention_for_cpu aten._scaled_dot_product_attention_math "
+    "_c10d_functional.reduce_scatter_tensor _c10d_functional.all_to_all_single"
+).split()
+
+
 @dataclass
 class ActivationCheckpointConfig:
     mode: str = F(
@@ -151,20 +140,7 @@ class ActivationCheckpointConfig:
     )
     selective_every: int = F(2, "with mode=selective: checkpoint every Nth transformer block")
     op_save: List[str] = F(
-        [
-            "aten.mm",
-            "aten.addmm",
-            "aten.bmm",
-            "aten.linear",
-            "aten._scaled_dot_product_flash_attention",
-            "aten._scaled_dot_product_efficient_attention",
-            "aten._scaled_dot_product_cudnn_attention",
-            "aten._scaled_dot_product_flash_attention_for_cpu",
-            "aten._scaled_dot_product_attention_math",
-            "aten.max",
-            "_c10d_functional.reduce_scatter_tensor",
-            "_c10d_functional.all_to_all_single",
-        ],
+        SAC_SAVE_OPS,
         "with mode=op: the ops (namespace.name, their default overload) whose outputs are kept",
     )
 
