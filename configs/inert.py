@@ -2,7 +2,8 @@
 then not read would let a recipe say one thing and train another.
 
 Refused here (set to anything but the default): what the chosen data source does not read,
-loss-scale settings without fp16 compute, `selective_every` without selective checkpointing.
+loss-scale settings without fp16 compute, `selective_every` without selective checkpointing,
+`op_save` without per-op checkpointing.
 Left alone, with the reason in the field's doc (`meshforge explain`): settings of a switch
 that is off (eval.every = 0, checkpoint.enabled = false, logging.wandb = false, compile off)
 and policies of a mesh dimension of degree 1 (tp.*, pp.*, FSDP's with one data-parallel
