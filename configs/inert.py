@@ -91,20 +91,14 @@ def check_inert(r: Recipe) -> list[Problem]:
             f"only float16 compute runs a loss scale (fsdp.param_dtype = {r.fsdp.param_dtype!r})",
             "set fsdp.param_dtype=float16",
         )
-    if r.activation_checkpoint.mode != "selective":
-        problems += unread_problems(
-            "activation_checkpoint",
-            r.activation_checkpoint,
-            ("selective_every",),
-            f"activation_checkpoint.mode = {r.activation_checkpoint.mode!r} checkpoints no Nth block",
-            "set activation_checkpoint.mode=selective",
-        )
-    if r.activation_checkpoint.mode != "op":
-        problems += unread_problems(
-            "activation_checkpoint",
-            r.activation_checkpoint,
-            ("op_save",),
-            f"activation_checkpoint.mode = {r.activation_checkpoint.mode!r} keeps no op's outputs",
-            "set activation_checkpoint.mode=op",
-        )
+    ac = r.activation_checkpoint
+    for mode, name, reads_none in (
+        ("selective", "selective_every", "checkpoints no Nth block"),
+        ("op", "op_save", "keeps no op's outputs"),
+    ):
+        if ac.mode != mode:
+            why = f"activation_checkpoint.mode = {ac.mode!r} {reads_none}"
+            problems += unread_problems(
+                "activation_checkpoint", ac, (name,), why, f"set activation_checkpoint.mode={mode}"
+            )
     return problems

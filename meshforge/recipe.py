@@ -51,7 +51,7 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
         problems += batch_problems
         if args is not None and not batch_problems:  # the schedule's rules need a resolved batch
             problems += check_pipeline(r.pp, dims.pp, args.n_layers, r.train.micro_batch_size)
-        problems += check_combinations(r)
+        problems += check_combinations(r, dims)
     problems += checks.check(r)
     problems += check_op_names(r)
     if args is not None:
@@ -165,11 +165,11 @@ def check_sequence_split(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
     return problems
 
 
-def check_combinations(r: Recipe) -> list[Problem]:
+def check_combinations(r: Recipe, dims: ParallelDims) -> list[Problem]:
     """Combinations measured wrong on torch 2.13 (CPU/gloo): refused, with the reason."""
     problems = []
     zero_bubble = r.mesh.pp > 1 and r.pp.schedule in ZERO_BUBBLE_SCHEDULES
-    if zero_bubble and r.mesh.dp_shard * r.mesh.cp > 1 and r.fsdp.reshard_after_forward:  # FSDP shards
+    if zero_bubble and dims.fsdp_shard > 1 and r.fsdp.reshard_after_forward:
         problems.append(
             Problem(
                 "fsdp.reshard_after_forward",

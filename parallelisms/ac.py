@@ -53,10 +53,9 @@ def _op(name: str):
     return getattr(getattr(torch.ops, namespace), op).default
 
 
-def _keep_policy(save: set):
-    """TorchTitan's per-op policy: keep the outputs of `save`, but recompute every second matmul
-    (counted apart in the forward and in the recompute, so both make the same choices)."""
-    matmuls = {_op(name) for name in MATMULS}
+def _keep_policy(save: set, matmuls: set):
+    """TorchTitan's per-op policy: keep the outputs of `save`, but recompute every second of the
+    `matmuls` (counted apart in the forward and in the recompute, so both make the same choices)."""
     counts = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -75,8 +74,10 @@ def _checkpointed(forward, save: set | None = None):
     no frame to compile in a functools.partial of it (torch 2.13), so AC with compile failed at
     the first step."""
 
+    matmuls = resolve_ops(MATMULS)  # once per block, not per call
+
     def contexts():
-        return create_selective_checkpoint_contexts(_keep_policy(save))
+        return create_selective_checkpoint_contexts(_keep_policy(save, matmuls))
 
     kw = {"context_fn": contexts} if save is not None else {}
 

@@ -162,10 +162,9 @@ def allgather_attention(
     Each local chunk c attends to the keys of chunks 0..c, lower-right causal (its last query
     sees every one of them): `prefix_causal_attention`, unmasked on CPU; with `masked` (CUDA)
     through masks of (2cp+1) x S^2 / (4cp^2) elements in all (about S/2cp x S), kept for
-    backward. torch's
-    `causal_lower_right` spares nothing on torch 2.13: its Tensor subclass allocates a (2, L, S)
-    float32 tensor (and creating it failed intermittently: "raw Tensor object is already
-    associated to a python object")."""
+    backward. torch's `causal_lower_right` spares nothing on torch 2.13: its Tensor subclass
+    allocates a (2, L, S) float32 tensor (and creating it failed intermittently: "raw Tensor
+    object is already associated to a python object")."""
     _check(q, k, cp, "allgather")
     order = _natural_order(cp, q.device)
     k_all, v_all = (

@@ -31,20 +31,17 @@ class Run:
 
     @property
     def policy(self) -> str:
-        r = self.info["recipe"]
+        r, dims = self.info["recipe"], ParallelDims.from_degrees(self.info["mesh"])
         parts = []
-        if self.info["mesh"]["pp"] > 1:
+        if dims.pp_enabled:
             parts.append(f"{r['pp']['schedule']} x{r['pp']['microbatches']}")
-        if self.info["mesh"].get("cp", 1) > 1:  # records from before cp have neither
+        if dims.cp_enabled:  # records from before cp have no [cp]: they read as cp 1
             parts.append(f"cp {r['cp']['method']}")
         if r["activation_checkpoint"]["mode"] != "none":
             parts.append(f"AC {r['activation_checkpoint']['mode']}")
         if r["fsdp"]["param_dtype"] != "float32":
             parts.append(r["fsdp"]["param_dtype"])
-        if (
-            not r["fsdp"]["reshard_after_forward"]
-            and self.info["mesh"]["dp_shard"] * self.info["mesh"].get("cp", 1) > 1
-        ):
+        if not r["fsdp"]["reshard_after_forward"] and dims.fsdp_shard > 1:
             parts.append("no reshard")
         if r["compile"]["enabled"]:
             parts.append("compile")
