@@ -75,6 +75,10 @@ def resolve_mesh(r: Recipe, world_size: int | None) -> list[Problem]:
         for n, d in degrees.items()
         if d == 0 or d < -1
     ]
+    if m.ep < 1:
+        problems.append(
+            Problem("mesh.ep", m.ep, "must be a positive degree (it borrows dp_shard x cp's ranks)")
+        )
     inferred = [n for n, d in degrees.items() if d == -1]
     if len(inferred) > 1:
         problems.append(Problem("mesh", degrees, f"only one degree may be -1, got {', '.join(inferred)}"))
@@ -182,6 +186,14 @@ def check_backend(r: Recipe) -> list[Problem]:
                 "fsdp.param_dtype",
                 r.fsdp.param_dtype,
                 f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch",
+            )
+        )
+    if r.model.name == "qwen3_moe":
+        problems.append(
+            Problem(
+                "model.name",
+                r.model.name,
+                f"{why} of dense models; mixture-of-experts training is torch-only for now: backend=torch",
             )
         )
     if r.mesh.cp > 1:

@@ -11,48 +11,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .fields import NO_EVAL, NO_FSDP, NO_PP, NO_SAVE, NO_WANDB, F, unread_with
+from .model_mesh import MeshConfig, ModelConfig
 
-
-@dataclass
-class ModelConfig:
-    name: str = F("llama3", "model family in the registry (meshforge.models): llama3 | qwen3")
-    flavor: str = F("debug", "named size of the family: debug, 1b, 8b, ... (not used with model.hf)")
-    hf: Optional[str] = F(
-        None,
-        "take the shape from this HF folder's config.json (dims, heads, FFN, vocab, eps, RoPE, tying); "
-        "weights still come from checkpoint.init_from_hf",
-    )
-    # Size overrides: None keeps the flavor's (or HF config's) value. They let a GPU recipe run on a laptop.
-    dim: Optional[int] = F(None, "override: model width")
-    n_layers: Optional[int] = F(None, "override: number of transformer blocks")
-    n_heads: Optional[int] = F(None, "override: attention heads")
-    n_kv_heads: Optional[int] = F(None, "override: key/value heads (GQA); must divide n_heads")
-    head_dim: Optional[int] = F(None, "override: width of one head (qwen3; llama3 fixes it to dim / n_heads)")
-    vocab_size: Optional[int] = F(None, "override: vocabulary size (must cover the tokenizer)")
-    ffn_dim: Optional[int] = F(None, "override: FFN hidden width, exactly (an HF intermediate_size)")
-    multiple_of: Optional[int] = F(None, "override (llama3): FFN hidden size is rounded up to this")
-    ffn_dim_multiplier: Optional[float] = F(None, "override (llama3): FFN hidden size multiplier")
-    max_seq_len: Optional[int] = F(None, "override: longest sequence RoPE is precomputed for")
-    tie_embeddings: Optional[bool] = F(None, "override: share tok_embeddings and output weights")
-    norm_eps: Optional[float] = F(None, "override: RMSNorm epsilon")
-    rope_theta: Optional[float] = F(None, "override: RoPE base frequency")
-    rope_scaling_factor: Optional[float] = F(None, "override: Llama 3 RoPE scaling factor (e.g. 32.0)")
-    rope_original_max_seq_len: Optional[int] = F(
-        None, "override: context length the Llama 3 RoPE scaling is from"
-    )
-
-
-@dataclass
-class MeshConfig:
-    dp_replicate: int = F(1, "data-parallel replicas (DDP, or the outer dim of HSDP); -1 = the rest")
-    dp_shard: int = F(-1, "FSDP shard degree; -1 = the rest of the world size")
-    cp: int = F(
-        1,
-        "context-parallel degree (every sequence split over cp ranks, attention across them; FSDP "
-        "shards over dp_shard x cp)",
-    )
-    tp: int = F(1, "tensor-parallel degree (heads and FFN split across ranks)")
-    pp: int = F(1, "pipeline-parallel degree (layers split into stages)")
+__all__ = ["MeshConfig", "ModelConfig"]  # the [model] and [mesh] sections live in model_mesh.py
 
 
 @dataclass

@@ -6,6 +6,7 @@ Every problem is reported at once (field, value, fix); -1 fields come back resol
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
         if args is not None and not batch_problems:  # the schedule's rules need a resolved batch
             problems += check_pipeline(r.pp, dims.pp, args.n_layers, r.train.micro_batch_size)
         problems += check_combinations(r, dims)
+        problems += check_experts(r, args, dims)
     problems += checks.check(r)
     problems += check_op_names(r)
     if args is not None:
@@ -203,6 +205,45 @@ def check_combinations(r: Recipe, dims: ParallelDims) -> list[Problem]:
                 True,
                 "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "
                 "set compile.enabled=false or mesh.tp=1",
+            )
+        )
+    return problems
+
+
+def has_experts(r: Recipe) -> bool:
+    """The recipe's model has experts (sweeps and estimates then cross every mesh with ep)."""
+    spec = MODELS.get(r.model.name)
+    return spec is not None and "num_experts" in {f.name for f in dataclasses.fields(spec.args_type)}
+
+
+def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
+    """Expert parallel borrows dp_shard x cp's ranks and needs experts; MoE is dropless."""
+    problems = []
+    if r.model.capacity_factor is not None:
+        problems.append(
+            Problem(
+                "model.capacity_factor",
+                r.model.capacity_factor,
+                "meshforge's MoE is dropless (every token reaches its top-k experts, none is dropped at "
+                "a capacity); remove it",
+            )
+        )
+    if dims.ep_enabled and r.activation_checkpoint.mode == "op":
+        problems.append(
+            Problem(
+                "activation_checkpoint.mode",
+                "op",
+                "per-op AC with expert parallel fails on torch 2.13 (the experts' own FSDP group gathers "
+                "again in the recompute, so the recompute runs other ops than the forward): use "
+                "mode=full or selective, or mesh.ep=1",
+            )
+        )
+    if dims.ep_enabled and dims.ep_problem:
+        problems.append(Problem("mesh.ep", dims.ep, dims.ep_problem))
+    if dims.ep_enabled and args is not None and not hasattr(args, "num_experts"):
+        problems.append(
+            Problem(
+                "mesh.ep", dims.ep, f"{r.model.name} has no experts: set mesh.ep=1 or model.name=qwen3_moe"
             )
         )
     return problems

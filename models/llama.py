@@ -174,15 +174,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(args, self.attention) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.make_block(args, i) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: recomputed by init_buffers, never checkpointed.
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def make_block(self, args, layer_id: int) -> nn.Module:
+        """Block `layer_id` (a family with several kinds of block, e.g. MoE, overrides this)."""
+        return TransformerBlock(args, self.attention)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) int -> logits (B, S, V); on a pipeline stage, hidden (B, S, D) in or out."""

@@ -10,14 +10,18 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from omegaconf import ListConfig
+
 from meshforge.configs.schema import ModelConfig
 from meshforge.core.errors import UnsupportedConfig
 
-from . import llama_family, qwen3_family
+from . import llama_family, qwen3_family, qwen3_moe_family
 from .hf_config import read_config
 from .spec import ModelSpec
 
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (llama_family.SPEC, qwen3_family.SPEC)}
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (llama_family.SPEC, qwen3_family.SPEC, qwen3_moe_family.SPEC)
+}
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -25,10 +29,11 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def spec_of(args: Any) -> ModelSpec:
-    """The family whose args `args` are."""
-    for spec in MODELS.values():
-        if isinstance(args, spec.args_type):
-            return spec
+    """The family whose args `args` are: the most derived args type that matches (Qwen3-MoE's args
+    are Qwen3's and more)."""
+    found = [spec for spec in MODELS.values() if isinstance(args, spec.args_type)]
+    if found:
+        return max(found, key=lambda spec: len(spec.args_type.__mro__))
     raise TypeError(
         f"{type(args).__name__} is not the args type of any registered family ({', '.join(MODELS)})"
     )
@@ -40,15 +45,20 @@ def model_args(name: str, flavor: str, overrides: dict[str, Any] | None = None) 
     return dataclasses.replace(base, **{k: v for k, v in (overrides or {}).items() if v is not None})
 
 
-_NOT_ARGS = ("name", "flavor", "hf")
+_NOT_ARGS = (
+    "name",
+    "flavor",
+    "hf",
+    "capacity_factor",
+)  # capacity_factor: refused (dropless), meshforge/recipe.py
 
 
 def overrides_of(cfg: ModelConfig) -> dict[str, Any]:
     """The [model] fields the recipe sets (not None), besides name, flavor and hf."""
     return {
-        f.name: getattr(cfg, f.name)
+        f.name: tuple(value) if isinstance(value, (list, ListConfig)) else value
         for f in dataclasses.fields(cfg)
-        if f.name not in _NOT_ARGS and getattr(cfg, f.name) is not None
+        if f.name not in _NOT_ARGS and (value := getattr(cfg, f.name)) is not None
     }
 
 

@@ -29,6 +29,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.configs.schema import CPConfig
+from meshforge.models.moe import moe_layers
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -238,6 +239,8 @@ def apply_cp(
         block.attention.attend = functools.partial(
             ATTENTION[method], group=group, cp=cp, rank=rank, masked=device_type == "cuda"
         )
+    for moe in moe_layers(model).values():  # its balancing loss counts a whole sequence's choices
+        moe.sequence_group = group
 
 
 def sequence_shard(cp_mesh: DeviceMesh | None):

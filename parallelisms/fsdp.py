@@ -50,7 +50,12 @@ def fsdp_applies(dims: ParallelDims, cfg: FSDPConfig) -> bool:
     return dims.fsdp_enabled or cfg.cpu_offload
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig, experts_mesh: DeviceMesh | None = None
+) -> None:
+    """Per block, the embeddings, norm + output, the root; under expert parallel (`experts_mesh`:
+    dp_shard x cp / ep, with dp_replicate for HSDP) each block's experts are their own group over it
+    (their ep DTensors become 2-D), as TorchTitan does."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
     # pinned host memory speeds copies to an accelerator only; it needs one (and fake tensors,
     # which the estimator traces on a CPU mesh, cannot pin)
@@ -58,6 +63,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: FSDPConfig) -> None:
     offload = CPUOffloadPolicy(pin_memory=pin) if cfg.cpu_offload else OffloadPolicy()
     kw = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
     for block in model.layers.values():
+        if experts_mesh is not None and hasattr(block, "moe"):
+            fully_shard(
+                block.moe.experts,
+                reshard_after_forward=cfg.reshard_after_forward,
+                **{**kw, "mesh": experts_mesh},
+            )
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kw)
     tied = model.args.tie_embeddings
     if model.tok_embeddings is not None and not tied:

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshforge.core.topology import DP_DIMS, FSDP_SHARD, FSDP_SHARD_DIMS, MESH_DIMS, ParallelDims
+from meshforge.core.topology import (
+    DP_DIMS,
+    EP_MESH_DIMS,
+    FSDP_SHARD,
+    FSDP_SHARD_DIMS,
+    MESH_DIMS,
+    ParallelDims,
+)
 
 
 @dataclass(frozen=True)
@@ -26,11 +33,16 @@ class Meshes:
     cp: DeviceMesh
     tp: DeviceMesh
     pp: DeviceMesh
+    ep: DeviceMesh | None = None  # expert parallel: ranks of dp_shard x cp that hold different experts
+    experts_fsdp: DeviceMesh | None = None  # what FSDP shards experts over under ep: the rest of them
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     """The world's DeviceMesh over MESH_DIMS (outer to inner) and its sub-meshes."""
-    root = init_device_mesh(device_type, tuple(dims.degrees.values()), mesh_dim_names=MESH_DIMS)
+    root = init_device_mesh(device_type, tuple(dims.mesh_shape.values()), mesh_dim_names=MESH_DIMS)
+    ep = experts_fsdp = None
+    if dims.ep_enabled:
+        ep, experts_fsdp = _expert_meshes(device_type, dims)
     return Meshes(
         root=root,
         dp=root[DP_DIMS]._flatten("dp"),
@@ -38,7 +50,20 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         cp=root["cp"],
         tp=root["tp"],
         pp=root["pp"],
+        ep=ep,
+        experts_fsdp=experts_fsdp,
     )
+
+
+def _expert_meshes(device_type: str, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ep mesh and the experts' FSDP mesh, sliced from one mesh of the same ranks with
+    dp_shard x cp split into (dp_shard_mod_ep, ep), row-major as the world's mesh is: an ep group is
+    ep consecutive (dp_shard, cp) coordinates. FSDP needs both from one root (its 2-D sharding of an
+    ep DTensor), which the world's mesh cannot be: ep is no dim of it."""
+    shape = dict(dims.mesh_shape, dp_shard_mod_ep=dims.fsdp_shard // dims.ep, ep=dims.ep)
+    root = init_device_mesh(device_type, tuple(shape[n] for n in EP_MESH_DIMS), mesh_dim_names=EP_MESH_DIMS)
+    fsdp = root[("dp_replicate", "dp_shard_mod_ep")] if dims.dp_replicate > 1 else root["dp_shard_mod_ep"]
+    return root["ep"], fsdp
 
 
 def _fsdp_mesh(root: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

@@ -2,6 +2,9 @@
 
 1. PP split  - cut the meta model into this rank's stages first: every later step then
                works on a stage exactly as on a whole model, and sees only its layers.
+   EP        - each stage's experts become DTensors sharded over ep and its MoEs dispatch tokens
+               to the rank holding their expert (parallelisms/ep.py); before FSDP, which shards
+               the experts again over the rest of dp_shard x cp.
    CP        - each stage's attention attends across the cp ranks and its RoPE takes their
                positions (`Attention.attend`, `rope_positions`: attributes, not modules, so it
                commutes with TP and FSDP); before compile, so the collectives are compiled in.
@@ -37,6 +40,7 @@ from meshforge.models import ModelSpec
 from .ac import apply_ac
 from .compile import apply_compile
 from .cp import apply_cp
+from .ep import apply_ep
 from .fsdp import apply_fsdp, fsdp_applies
 from .mesh import Meshes
 from .pp import pipeline_split
@@ -75,6 +79,8 @@ def parallelize(
     else:
         parts, ids, layout = [model], [0], [list(range(len(model.layers)))]
     for part in parts:
+        if dims.ep_enabled:
+            apply_ep(part, meshes.ep)
         if dims.cp_enabled:
             apply_cp(part, meshes.cp, cp, seq_len, dims.tp, device_type)
         if dims.tp_enabled:
@@ -82,5 +88,5 @@ def parallelize(
         apply_ac(part, ac)
         apply_compile(part, compile)
         if fsdp_applies(dims, fsdp):
-            apply_fsdp(part, meshes.fsdp, fsdp)
+            apply_fsdp(part, meshes.fsdp, fsdp, meshes.experts_fsdp)
     return ParallelModel(parts, ids, layout)

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import (
 from meshforge.configs.schema import PPConfig
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import divisors
+from meshforge.models.moe import moe_layers, uncounted
 
 # The schedule families torch ships, by how stages sit on ranks
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # one stage per rank
@@ -167,10 +168,22 @@ def build_schedule(
         PipelineStage(part, stage_idx, n_stages, device, group=pp_mesh.get_group())
         for part, stage_idx in zip(parts, stage_ids)
     ]
+    for stage in stages:
+        if moe_layers(stage.submod):  # the shape inference's forwards are no step's: MoE keeps no stats
+            for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+                setattr(stage, name, _uncounted(getattr(stage, name)))
     cls = get_schedule_class(cfg.schedule)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _uncounted(method: Callable) -> Callable:
+    def run(*args, **kwargs):
+        with uncounted():
+            return method(*args, **kwargs)
+
+    return run
 
 
 def bubble_fraction_gpipe(pp: int, microbatches: int) -> float:

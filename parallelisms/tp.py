@@ -20,5 +20,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: TPConfig, spec: ModelSp
         # one parameter again: the plan gave the output its own. The embedding (rowwise over the
         # vocabulary) and the output (colwise over it) both shard the weight's vocab dim: Shard(0)
         model.output.weight = model.tok_embeddings.weight
+    plan = spec.tp_block_plan(cfg.sequence_parallel)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, spec.tp_block_plan(cfg.sequence_parallel))
+        # a family with two kinds of block (MoE's sparse and dense) plans each what it has
+        parallelize_module(block, tp_mesh, {fqn: style for fqn, style in plan.items() if _has(block, fqn)})
+
+
+def _has(module: nn.Module, fqn: str) -> bool:
+    try:
+        module.get_submodule(fqn)
+        return True
+    except AttributeError:
+        return False

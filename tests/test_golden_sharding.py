@@ -44,6 +44,14 @@ def test_sharding_matches_golden(name):
 
 def test_golden_files_show_the_3d_layout():
     """Spot checks that the golden dumps say what the recipes ask for."""
+    moe = json.loads((GOLDEN / "sharding_qwen3_30b_a3b.json").read_text())  # ep 8 borrowed from dp_shard 8
+    assert moe["3"]["layers.0.moe.experts.w1"] == (
+        "_S(0, 8),S(0) on (dp_shard_mod_ep,ep) local [16, 768, 2048] of [128, 768, 2048] at [48, 0, 0]"
+    )  # rank 3 holds experts 48..63 whole; the router is FSDP's like any weight
+    assert (
+        moe["3"]["layers.0.moe.router.gate.weight"]
+        == "S(0) on (dp_shard) local [16, 2048] of [128, 2048] at [48, 0]"
+    )
     debug = json.loads((GOLDEN / "sharding_debug_cpu.json").read_text())
     assert len(debug) == 8  # dp_shard 2 x tp 2 x pp 2
     assert "layers.0.attention.wq.weight" in debug["0"] and "layers.0.attention.wq.weight" not in debug["7"]

@@ -11,7 +11,7 @@ import pytest
 from conftest import QUICK, RECIPES, cli_env, run_cli
 
 from meshforge.core.errors import UsageError
-from meshforge.core.topology import MESH_DIMS, ParallelDims
+from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments import compare
 from meshforge.experiments.sweep import mesh_shapes, sweep_points
@@ -33,12 +33,21 @@ def test_every_mesh_of_a_world_is_enumerated():
     shapes = mesh_shapes(8)
     assert len(shapes) == 35 and len({tuple(s.values()) for s in shapes}) == 35  # 5 dims: C(3 + 4, 4)
     assert all(s["dp_replicate"] * s["dp_shard"] * s["cp"] * s["tp"] * s["pp"] == 8 for s in shapes)
-    # the dim order has one owner: ParallelDims' fields are MESH_DIMS, and shapes come in sweep order
-    assert {f.name for f in dataclasses.fields(ParallelDims)} == set(MESH_DIMS) and list(shapes[0]) == list(
-        MESH_DIMS
+    # the dim order has one owner: ParallelDims' fields are the layout's dims (the mesh's, then ep,
+    # borrowed, no factor of the world), and shapes come in sweep order
+    assert {f.name for f in dataclasses.fields(ParallelDims)} == set(LAYOUT_DIMS) and list(shapes[0]) == list(
+        LAYOUT_DIMS
     )
-    assert [tuple(s.values()) for s in shapes[:3]] == [(8, 1, 1, 1, 1), (4, 1, 1, 1, 2), (2, 1, 1, 1, 4)]
-    assert {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2} in shapes
+    assert [tuple(s.values()) for s in shapes[:3]] == [
+        (8, 1, 1, 1, 1, 1),
+        (4, 1, 1, 1, 2, 1),
+        (2, 1, 1, 1, 4, 1),
+    ]
+    assert {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 1} in shapes
+    # a model with experts crosses each shape with every ep its dp_shard x cp can lend
+    with_ep = mesh_shapes(8, experts=True)
+    assert {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 4} in with_ep
+    assert len(with_ep) == sum(sum(s["dp_shard"] * s["cp"] % e == 0 for e in (1, 2, 4, 8)) for s in shapes)
     assert ParallelDims.from_degrees({**shapes[1], "label": "x"}).label() == "tp2-pp4"
     # a record written before cp was a dimension (run.json's "mesh", a sweep row) reads as cp 1
     before_cp = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2}
@@ -112,7 +121,7 @@ def test_sweep_records_every_point(sweep):
             "memory_breakdown"
         ]["per_rank"]
         assert abs(r["estimate_bytes"] / GiB / max(p["total_gib"] for p in per_rank) - 1) <= 0.05, r["label"]
-        assert set(r["mesh"]) == set(MESH_DIMS)  # cp included
+        assert set(r["mesh"]) == set(LAYOUT_DIMS)  # cp and ep included
     best = max(finished, key=lambda r: r["tokens_per_sec"])
     assert f"fastest layout that fits: {best['label']}" in out
     assert " ".join(best["overrides"]) in out  # the overrides that reproduce it

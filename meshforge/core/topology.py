@@ -5,7 +5,9 @@ parallel is innermost so its ranks are neighbours (same node, fastest links); co
 next (an all-gather of K/V or four all-to-alls per layer, more traffic than data parallel's
 once-a-step reductions, less than TP's); pipeline is outermost (least traffic). FSDP shards over
 dp_shard x cp together: the cp ranks hold other tokens of the same samples, so their gradients
-are summed like data-parallel ones.
+are summed like data-parallel ones. Expert parallel (ep) is not a factor of the world: it borrows
+its ranks from dp_shard x cp (TorchTitan's rule), the inner ep of them holding different experts
+and exchanging tokens, the experts then FSDP-sharded over the rest (dp_shard x cp / ep).
 Everything that needs a rank's place in the mesh (validation, the estimator, sweeps, golden
 dumps, the DeviceMesh itself) asks this class. Pure Python: no devices, no torch.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from meshforge.core.errors import Problem, RecipeError
 
@@ -25,12 +27,22 @@ MESH_DIMS = (
     "cp",
     "tp",
 )  # outer -> inner: the one spelling of the dim order
-ADDED_LATER = ("cp",)  # dims that records written before them lack
+BORROWED = ("ep",)  # degrees whose ranks are other dims' (ep: of dp_shard x cp), not world factors
+LAYOUT_DIMS = (*MESH_DIMS, *BORROWED)  # what a layout is made of: its records, sweeps and overrides
+ADDED_LATER = ("cp", "ep")  # dims that records written before them lack
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims, outer -> inner (a batch splits over both)
 FSDP_SHARD_DIMS = ("dp_shard", "cp")  # what FSDP shards over (flattened): cp ranks sum gradients too
 FSDP_SHARD = "dp_shard_cp"  # their flattened DeviceMesh dim (under cp; without it FSDP's mesh is dp_shard)
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")  # the experts' mesh: dp_shard x cp split
 FLATTENED = {FSDP_SHARD: FSDP_SHARD_DIMS}  # a flattened DeviceMesh dim -> the mesh dims it spans
-_LABELS = (("dp_replicate", "dprep"), ("dp_shard", "dp"), ("cp", "cp"), ("tp", "tp"), ("pp", "pp"))
+_LABELS = (
+    ("dp_replicate", "dprep"),
+    ("dp_shard", "dp"),
+    ("cp", "cp"),
+    ("ep", "ep"),
+    ("tp", "tp"),
+    ("pp", "pp"),
+)
 
 
 def divisors(n: int) -> list[int]:
@@ -44,6 +56,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # borrowed from dp_shard x cp (BORROWED): not a factor of world_size
 
     def __post_init__(self):
         bad = {n: d for n, d in self.degrees.items() if not isinstance(d, int) or d < 1}
@@ -52,28 +65,40 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, mesh_cfg) -> ParallelDims:
-        return cls(**{name: getattr(mesh_cfg, name) for name in MESH_DIMS})
+        return cls(**{name: getattr(mesh_cfg, name) for name in LAYOUT_DIMS})
 
     @classmethod
     def from_degrees(cls, degrees: Mapping[str, int]) -> ParallelDims:
         """From a mapping holding every mesh dim (run.json's "mesh", a sweep row); other keys are
-        ignored, and a dim the record predates (cp) is 1, as it was when the record was written."""
+        ignored, and a dim the record predates (cp, ep) is 1, as it was when the record was written."""
         return cls(
-            **{name: degrees[name] if name not in ADDED_LATER else degrees.get(name, 1) for name in MESH_DIMS}
+            **{
+                name: degrees[name] if name not in ADDED_LATER else degrees.get(name, 1)
+                for name in LAYOUT_DIMS
+            }
         )
 
     @classmethod
-    def all_of_world(cls, world: int) -> list[ParallelDims]:
-        """Every shape whose product is `world`, in field order (the last field takes the rest)."""
-        *free, last = (f.name for f in fields(cls))
+    def all_of_world(cls, world: int, ep: bool = False) -> list[ParallelDims]:
+        """Every shape whose product is `world`, in field order (the last mesh dim takes the rest);
+        with `ep` (a model with experts) each shape once per ep that divides its dp_shard x cp."""
+        *free, last = (f.name for f in fields(cls) if f.name in MESH_DIMS)
         shapes: list[dict[str, int]] = [{}]
         for name in free:
             shapes = [{**s, name: d} for s in shapes for d in divisors(world // math.prod(s.values()))]
-        return [cls(**s, **{last: world // math.prod(s.values())}) for s in shapes]
+        dims = [cls(**s, **{last: world // math.prod(s.values())}) for s in shapes]
+        if not ep:
+            return dims
+        return [replace(d, ep=e) for d in dims for e in divisors(d.fsdp_shard)]
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Degree per mesh dim, outer to inner (the DeviceMesh's order)."""
+        """Degree per layout dim: the mesh dims outer to inner (the DeviceMesh's order), then ep."""
+        return {name: getattr(self, name) for name in LAYOUT_DIMS}
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Degree per DeviceMesh dim, outer to inner: the world's factors (no borrowed dims)."""
         return {name: getattr(self, name) for name in MESH_DIMS}
 
     def spelled(self) -> str:
@@ -85,7 +110,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.degrees.values())
+        return math.prod(self.mesh_shape.values())
 
     def check_world(self, world_size: int) -> None:
         """Refuse a world of another size than this mesh's (a launch that does not match the recipe)."""
@@ -107,6 +132,21 @@ class ParallelDims:
         # FSDP2 also serves pure replication (dp_shard=1): HSDP with a shard dim of 1; under cp
         # it sums the gradients of the cp ranks' tokens
         return self.dp * self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def ep_problem(self) -> str | None:
+        """Why ep cannot borrow its ranks here (None when it can): it must divide dp_shard x cp."""
+        if self.fsdp_shard % self.ep == 0:
+            return None
+        valid = [d for d in divisors(self.fsdp_shard)]
+        return (
+            f"ep borrows its ranks from dp_shard x cp = {self.fsdp_shard} and must divide it; valid ep: "
+            f"{', '.join(map(str, valid))}"
+        )
 
     @property
     def cp_enabled(self) -> bool:

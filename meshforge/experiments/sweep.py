@@ -27,11 +27,11 @@ from rich.table import Table
 
 from meshforge.configs import Problem, Recipe, RecipeError
 from meshforge.core.logs import log_level_name
-from meshforge.core.topology import MESH_DIMS, ParallelDims
+from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
-from meshforge.recipe import load_recipe
+from meshforge.recipe import has_experts, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.loggers import wandb_settings
 from meshforge.simulate.estimate import (
@@ -44,9 +44,10 @@ from meshforge.simulate.estimate import (
 )
 
 
-def mesh_shapes(world: int) -> list[dict[str, int]]:
-    """Every mesh of `world` ranks, as {dim: degree} (ParallelDims.all_of_world)."""
-    return [dims.degrees for dims in ParallelDims.all_of_world(world)]
+def mesh_shapes(world: int, experts: bool = False) -> list[dict[str, int]]:
+    """Every mesh of `world` ranks, as {dim: degree} (ParallelDims.all_of_world); with `experts` (a
+    MoE model) once per expert-parallel degree each can borrow."""
+    return [dims.degrees for dims in ParallelDims.all_of_world(world, ep=experts)]
 
 
 def point_label(mesh: dict[str, int], policy: dict[str, str]) -> str:
@@ -65,10 +66,10 @@ class Point:
         return [f"mesh.{k}={v}" for k, v in self.mesh.items()] + [f"{k}={v}" for k, v in self.policy.items()]
 
 
-def sweep_points(world: int, axes: dict[str, list[str]]) -> list[Point]:
+def sweep_points(world: int, axes: dict[str, list[str]], experts: bool = False) -> list[Point]:
     names = list(axes)
     points = []
-    for mesh in mesh_shapes(world):
+    for mesh in mesh_shapes(world, experts):
         for values in itertools.product(*(axes[n] for n in names)):
             policy = dict(zip(names, map(str, values)))
             points.append(Point(point_label(mesh, policy), mesh, policy))
@@ -114,11 +115,13 @@ def run_sweep(
     record = sweep_dir / "sweep.jsonl"
     done = {} if plan_only else read_rows(record)
     group = base.logging.wandb_group or f"{stem}/{sweep_dir.name}"
-    points = select_points(sweep_points(world, sw.axes), sw.only, world)
+    experts = has_experts(base)
+    points = select_points(sweep_points(world, sw.axes, experts), sw.only, world, experts)
+    meshes = len(mesh_shapes(world, experts))
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
     console.print(
         f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
-        f"({len(mesh_shapes(world))} meshes x {max(1, len(points) // len(mesh_shapes(world)))} policies), "
+        f"({meshes} meshes x {max(1, len(points) // meshes)} policies), "
         f"launcher: {launcher}",
         highlight=False,
     )
@@ -249,11 +252,11 @@ def choose_launcher(launcher: str, world: int, device: str) -> str:
     return "slurm" if gpus and world > gpus else "local"
 
 
-def select_points(points: list[Point], only: list[str], world: int) -> list[Point]:
+def select_points(points: list[Point], only: list[str], world: int, experts: bool = False) -> list[Point]:
     """The points whose layout is in `sweep.only` (all when empty); an unknown layout is refused."""
     if not only:
         return points
-    layouts = [ParallelDims(**m).label() for m in mesh_shapes(world)]
+    layouts = [ParallelDims(**m).label() for m in mesh_shapes(world, experts)]
     unknown = [label for label in only if label not in layouts]
     if unknown:
         raise RecipeError(
@@ -337,14 +340,14 @@ def _log_wandb_table(base: Recipe, group: str, rows: list[dict], sweep_dir: Path
     cols = [
         "label",
         "status",
-        *MESH_DIMS,
+        *LAYOUT_DIMS,
         "tokens_per_sec",
         "step_time",
         "final_loss",
     ]
     table = wandb.Table(columns=cols)
     for r in rows:
-        mesh = [r["mesh"][k] for k in MESH_DIMS]
+        mesh = [ParallelDims.from_degrees(r["mesh"]).degrees[k] for k in LAYOUT_DIMS]
         table.add_data(
             r["label"], r["status"], *mesh, r.get("tokens_per_sec"), r.get("step_time"), r.get("final_loss")
         )

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshforge.configs import Recipe, RecipeError
+from meshforge.configs import Recipe, RecipeError, load_config
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
@@ -41,7 +41,7 @@ from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule, stage_ids_for_rank, stage_layout
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
-from meshforge.recipe import load_recipe
+from meshforge.recipe import has_experts, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
@@ -272,8 +272,9 @@ def estimate_rows(
     recipe_path: str, overrides: list[str], world: int, all_meshes: bool, traced: bool = True
 ) -> list[dict]:
     """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
-    meshes = ParallelDims.all_of_world(world) if all_meshes else [None]
-    rows, pending = [], []
+    rows, pending, meshes = [], [], [None]
+    if all_meshes:
+        meshes = ParallelDims.all_of_world(world, ep=has_experts(load_config(recipe_path, overrides)[0]))
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(trace_pool()) if traced else None
         for mesh in meshes:

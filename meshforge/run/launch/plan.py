@@ -12,6 +12,7 @@ from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.models.moe import unpicked_params
 from meshforge.parallelisms.pp import stage_layout
 from meshforge.run.launch.analytic import activation_bytes, placed_state_bytes
 from meshforge.run.observe.memory import host_memory_bytes
@@ -36,10 +37,16 @@ class Plan:
         """Device memory per rank: model states not offloaded, and activations."""
         return self.state_bytes_per_rank + self.activation_bytes_per_rank
 
+    @property
+    def active(self) -> str:
+        """A mixture of experts' active parameters per token (empty for a dense model)."""
+        unpicked = unpicked_params(self.args)
+        return f", {self.n_params - unpicked:,} active per token" if unpicked else ""
+
     def rows(self, r: Recipe) -> list[tuple[str, str]]:
         d = self.dims
         rows = [
-            ("model", f"{model_source(r)}: {self.n_params:,} parameters"),
+            ("model", f"{model_source(r)}: {self.n_params:,} parameters{self.active}"),
             ("shape", describe_shape(self.args)),
             ("mesh", ", ".join(f"{k}={v}" for k, v in d.degrees.items()) + f"  (world size {d.world_size})"),
             (
@@ -84,9 +91,17 @@ def describe_shape(a) -> str:
     rope = f"RoPE theta {a.rope_theta:g}"
     if a.rope_scaling_factor is not None:
         rope += f" x{a.rope_scaling_factor:g} (llama3, from {a.rope_original_max_seq_len})"
+    ffn = f"FFN {a.ffn_hidden_dim}"
+    if getattr(a, "num_experts", 0):
+        dense = a.n_layers - a.n_moe_layers
+        dense_ffn = f"dense FFN {a.ffn_hidden_dim} in {dense}" if dense else "no dense FFN"
+        ffn = (
+            f"MoE in {a.n_moe_layers} layers: {a.num_experts} experts of {a.moe_dim}, "
+            f"top-{a.num_experts_per_tok} ({a.load_balance}), {dense_ffn}"
+        )
     return (
         f"dim {a.dim}, {a.n_layers} layers, {a.n_heads} heads / {a.kv_heads} kv of {a.head_dim}, "
-        f"FFN {a.ffn_hidden_dim}, vocab {a.vocab_size}, eps {a.norm_eps:g}, {rope}, "
+        f"{ffn}, vocab {a.vocab_size}, eps {a.norm_eps:g}, {rope}, "
         f"{'tied' if a.tie_embeddings else 'untied'} embeddings, max_seq_len {a.max_seq_len}"
     )
 

@@ -2,7 +2,8 @@
 
 FLOPs per trained token = 6 N + 12 L H Q T (PaLM, appendix B; TorchTitan uses the same):
 6 N for the forward and backward of every matmul weight (N = parameters without the
-input embedding, a lookup), plus the attention scores and weighted values, which scale
+input embedding, a lookup, and, in a mixture of experts, without the experts a token's router did
+not pick: its active parameters), plus the attention scores and weighted values, which scale
 with the sequence length T (L layers, H heads of size Q). Activation recomputation is
 not counted: MFU measures useful work.
 """
@@ -15,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshforge.models.moe import unpicked_params
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.distributed import DistEnv
 
@@ -36,7 +38,7 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 def flops_per_token(args, seq_len: int, n_params: int) -> float:
     embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim  # a lookup, not a matmul
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return 6 * (n_params - embedding) + attention
+    return 6 * (n_params - embedding - unpicked_params(args)) + attention
 
 
 def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:

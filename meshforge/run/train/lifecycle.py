@@ -47,6 +47,7 @@ class StepResult:
     loss_scale: dict = field(default_factory=dict)  # fp16: loss_scale, overflow_steps
     memory_breakdown: dict = field(default_factory=dict)  # mem_breakdown/<category>_gib and its _min/_rank
     eval: dict = field(default_factory=dict)  # eval/loss, eval/perplexity, when it evaluated
+    extra: Any = None  # a trainer's further metrics, read on logging steps (`extra_metrics`)
 
 
 class TrainingRun:
@@ -222,7 +223,12 @@ class TrainingRun:
             **mem,
             **result.memory_breakdown,
             **result.eval,
+            **self.extra_metrics(result),
         }
+
+    def extra_metrics(self, result: StepResult) -> dict:
+        """A trainer's further metrics of a logged step (e.g. MoE loads), from `result.extra`."""
+        return {}
 
     def summary(self) -> dict:
         self._read_losses()

@@ -47,6 +47,7 @@ from meshforge.run.train.forward_backward import ForwardBackward, Phase, Pipelin
 from meshforge.run.train.guards import BadStepBudget
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.loss_scale import LossScaler, overflow_note
+from meshforge.run.train.moe_stats import MoEStats
 from meshforge.run.train.optim import build_lr_scheduler, build_optimizer
 from meshforge.run.train.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 
@@ -104,6 +105,7 @@ class Trainer(TrainingRun):
         vocab = self.model_args.vocab_size
         self.loader, self.evaluator = data_streams(r, vocab, self.meshes, self.dims, self.env.device)
         self.forward_backward, self.schedule = self._build_forward_backward()
+        self.moe = MoEStats(self.pmodel.parts, self.model_args, r.train.seq_len, r.train.global_batch_size)
         self.run_dir = Path(r.output_dir) / r.run_name
         c = r.checkpoint
         folder = checkpoint_folder(c, self.run_dir)
@@ -208,6 +210,8 @@ class Trainer(TrainingRun):
         # FSDP sums gradients over dp ranks (parallelisms/fsdp.py): each rank's CE sum / N,
         # times the loss scale (fp16; 1 otherwise), divided out again in the clipping multiply
         scale = self.scaler.scale
+        if self.moe.enabled:
+            self.moe.begin(scale)
         ce_total = self.forward_backward(batches, scale / n_tokens)
         self.tied.sync_grads()  # a weight tied across pipeline stages: both copies get its gradient
         skip = self.tied.norm_skips()
@@ -215,11 +219,16 @@ class Trainer(TrainingRun):
         # every last-stage rank holds its dp slice's sum (of its cp part's tokens); tp ranks hold
         # copies of it. A stop request (SIGTERM) rides along in the same all-reduce, so all ranks
         # stop together.
+        # and so do the MoE layers' statistics (per-expert loads, aux loss, rows computed)
         packed = torch.stack([ce_total, torch.tensor(float(self.stop.requested), device=env.device)])
+        moe_stats = self.moe.local(env.device).flatten() if self.moe.enabled else packed[:0]
+        packed = torch.cat([packed, moe_stats])
         if dist.is_initialized():
             dist.all_reduce(packed)
             packed[0] /= self.dims.tp
+            packed[2:] /= self.dims.tp
         loss = packed[0] / n_tokens
+        moe_stats = packed[2:].view(self.model_args.n_layers, -1) if self.moe.enabled else None
         # The one host read a step must make (a sync on a GPU): whether to apply the update (a
         # finite loss and grad norm; the fp16 loss scale's schedule), a stop request and the token
         # count. Loss and grad norm themselves stay on the device until a logging step reads them.
@@ -233,6 +242,8 @@ class Trainer(TrainingRun):
             for opt, sched in zip(self.optimizers, self.schedulers):
                 opt.step()
                 sched.step()
+            if moe_stats is not None:
+                self.moe.update_bias(moe_stats)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return StepResult(
@@ -244,6 +255,7 @@ class Trainer(TrainingRun):
             overflow=outcome == "overflow",
             stop=bool(stop),
             loss_scale=self.scaler.metrics(scale),
+            extra=moe_stats,
         )
 
     def _tracked_step(self, step: int) -> StepResult:
@@ -302,6 +314,9 @@ class Trainer(TrainingRun):
 
     def layout(self) -> list[list[int]] | None:
         return self.pmodel.layout if self.dims.pp_enabled else None
+
+    def extra_metrics(self, result: StepResult) -> dict:
+        return self.moe.metrics(result.extra) if result.extra is not None else {}
 
     def summary_extra(self) -> dict:
         fp16 = self.scaler.metrics(self.scaler.scale)  # the final scale and overflow count (fp16)

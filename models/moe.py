@@ -1,0 +1,238 @@
+"""Mixture-of-experts pieces a family composes (TorchTitan's `models/common/moe` shape): a top-k
+softmax router, grouped experts (one 3-D weight per projection), and the MoE feed-forward that
+routes, dispatches, computes and combines.
+
+Dropless: every token reaches each of its top-k experts (no capacity factor). Expert parallelism
+(parallelisms/ep.py) sets `MoE.dispatcher`, which sends each token to the rank that holds its
+expert and back; without it every expert is local.
+
+The load-balancing loss is transformers' (Switch Transformer's): E * sum_e f_e P_e, f_e the share
+of top-k choices that picked expert e, P_e the mean router probability of e. transformers pools f
+and P over a forward's whole batch (the micro-batch of one device) and over every layer at once,
+so its value depends on how a batch is split over devices and microbatches. Here it is taken per
+sequence and per MoE layer and averaged over both: a property of the weights and the data, equal on
+every mesh (a pipeline stage cannot see later layers' choices before its backward; a cp rank adds
+the other ranks' counts of its sequence, `sequence_group`). On one sequence and one MoE layer it is
+transformers' number exactly. Its gradient enters backward through the block's output
+(`_AuxGradient`), so a pipeline stage needs no second output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+
+LOAD_BALANCE = ("aux_loss", "aux_free")  # aux_free: DeepSeek-V3's bias, no loss term
+_counted = [True]  # False while a forward is not a step's (a pipeline stage's shape inference)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Forwards that are not a training step's (torch's pipeline stages run one on their first step
+    to learn shapes): no statistics kept, no aux gradient attached."""
+    _counted[0] = False
+    try:
+        yield
+    finally:
+        _counted[0] = True
+
+
+def _step_forward() -> bool:
+    """A training step's own forward: grad on, not activation checkpointing's recompute in
+    backward, not a pipeline's shape inference."""
+    return torch.is_grad_enabled() and _counted[0] and torch._C._current_graph_task_id() == -1
+
+
+class Router(nn.Module):
+    """Softmax over experts, top-k of it (selected with `expert_bias` added when balancing without
+    a loss, DeepSeek-V3; weighted by the probabilities alone), renormalised when `norm_topk_prob`."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
+        """x (T, D) -> weights (T, k) in x's dtype, expert ids (T, k), probabilities (T, E) fp32."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        chooser = probs if expert_bias is None else probs + expert_bias
+        experts = torch.topk(chooser, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts, probs
+
+
+def balanced(rows: int, parts: int) -> list[int]:
+    """`rows` split as evenly as can be: a fake tensor's counts (the estimator's trace) have no values,
+    and the estimate assumes balanced routing."""
+    share, extra = divmod(rows, parts)
+    return [share + (i < extra) for i in range(parts)]
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """An expert weight as this rank holds it (a DTensor on the ep mesh: its experts)."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Where torch 2.13 has a grouped matmul for `x`: on CPU in any float dtype, on CUDA in bfloat16
+    (its kernel's only dtype; its meta function, which fake tensors run, says so too)."""
+    return (x.device.type == "cpu" and not isinstance(x, FakeTensor)) or x.dtype == torch.bfloat16
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as three (E, out, in) weights: w2(silu(w1 x) * w3 x) per expert, on tokens
+    sorted by expert. `grouped_mm`: one `F.grouped_mm` per projection where torch has one
+    (`grouped_mm_runs`); else a loop over experts (the same products, one matmul each)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, grouped_mm: bool = True):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.grouped_mm = grouped_mm
+        self.rows = 0
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, D) sorted by local expert, `counts` (E_local,) tokens per local expert -> (N, D)."""
+        if _step_forward():
+            self.rows += x.shape[0]  # the rows computed (the step's check that none was dropped)
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.grouped_mm and grouped_mm_runs(x):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+
+            def mm(a, w):
+                return F.grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+
+            return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+        outs = []
+        sizes = balanced(x.shape[0], len(counts)) if isinstance(counts, FakeTensor) else counts.tolist()
+        for e, part in enumerate(torch.split(x, sizes)):
+            outs.append(F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]))
+        return torch.cat(outs)
+
+
+class LocalExperts:
+    """The dispatcher without expert parallelism: every expert is on this rank."""
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        return experts(x, counts)
+
+
+class _AuxGradient(torch.autograd.Function):
+    """Identity on `out`; in backward, `aux` gets the gradient `scale` (its weight in the loss):
+    the aux loss trains the router without being a second output of the block (Megatron's
+    MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """Route, dispatch, compute, combine; keeps the step's per-expert loads and aux-loss sum."""
+
+    # set by parallelisms: ep's token dispatcher, cp's group of ranks holding one sequence
+    dispatcher: Callable = LocalExperts()
+    sequence_group: dist.ProcessGroup | None = None
+
+    def __init__(self, args):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
+        self.router = Router(args.dim, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
+        self.experts = GroupedExperts(args.dim, args.moe_dim, args.num_experts, args.grouped_mm)
+        self.aux_free = args.load_balance == "aux_free"
+        # DeepSeek-V3's selection bias (aux_free only; moved by `update_expert_bias`, checkpointed)
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=self.aux_free)
+        self.aux_grad_scale = 0.0  # the aux loss's weight in this step's loss (set by the step)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.load: torch.Tensor | None = None  # (E,) tokens routed to each expert this step
+        self.aux_sum: torch.Tensor | None = None  # sum over this step's sequences of the aux loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, experts, probs = self.router(tokens, self.expert_bias if self.aux_free else None)
+        flat = experts.flatten()  # (T k,): token t's choices at t k .. t k + k - 1
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )  # bincount's shape depends on the values: a fake tensor (the estimator) has none
+        source = order // self.top_k  # the token each sorted row is a copy of
+        out = self.dispatcher(tokens[source], counts, self.experts)
+        out = out * weights.flatten()[order, None]
+        combined = torch.zeros_like(tokens).index_add_(0, source, out.to(tokens.dtype))
+        combined = combined.view(bsz, seqlen, dim)
+        if torch.is_grad_enabled() and self.training and _counted[0]:
+            aux = self._aux_loss(experts.view(bsz, seqlen, -1), probs.view(bsz, seqlen, -1))
+            if _step_forward():  # not activation checkpointing's recompute (which keeps the gradient)
+                self._keep_stats(counts, aux)
+            combined = _AuxGradient.apply(combined, aux, self.aux_grad_scale)
+        return combined
+
+    def _aux_loss(self, experts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Sum over this rank's sequences of E * sum_e f_e P_e (its part, under cp: the counts of
+        the whole sequence, its own tokens' probabilities; the cp ranks' parts add up)."""
+        with torch.no_grad():
+            picks = F.one_hot(experts, self.num_experts).sum(dim=(1, 2)).float()  # (B, E)
+            length = experts.shape[1]
+            if self.sequence_group is not None:
+                dist.all_reduce(picks, group=self.sequence_group)
+                length *= dist.get_world_size(self.sequence_group)
+        f = picks / length
+        p = probs.sum(dim=1) / length  # (B, E), this rank's tokens
+        return self.num_experts * (f * p).sum()
+
+    @torch.no_grad()
+    def _keep_stats(self, counts: torch.Tensor, aux: torch.Tensor) -> None:
+        self.load = counts.float() if self.load is None else self.load + counts
+        self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
+
+
+def is_moe_layer(args, layer_id: int) -> bool:
+    """transformers' rule: sparse unless in `mlp_only_layers`, every `decoder_sparse_step`-th layer."""
+    return (
+        layer_id not in args.mlp_only_layers
+        and args.num_experts > 0
+        and (layer_id + 1) % args.decoder_sparse_step == 0
+    )
+
+
+def unpicked_params(args) -> int:
+    """Expert weights a token does not compute with: the E - k experts its router did not pick, in
+    every sparse layer (0 for a dense model). Active parameters = all of them minus these."""
+    if not getattr(args, "num_experts", 0):
+        return 0
+    per_expert = 3 * args.dim * args.moe_dim
+    return args.n_moe_layers * (args.num_experts - args.num_experts_per_tok) * per_expert
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """Layer id -> its MoE, for the layers of `model` (a whole model or a pipeline stage)."""
+    return {
+        int(i): block.moe for i, block in model.layers.items() if isinstance(getattr(block, "moe", None), MoE)
+    }
+
+
+@torch.no_grad()
+def update_expert_bias(moe: MoE, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after a step, raise the selection bias of
+    experts that got fewer tokens than the mean and lower it for those that got more (`load`:
+    the step's global per-expert counts)."""
+    moe.expert_bias.add_(rate * torch.sign(load.mean() - load).to(moe.expert_bias.dtype))
