@@ -143,3 +143,41 @@ def test_moe_metrics_reach_tensorboard_and_wandb_files(tmp_path):
         jsonl = [r[key] for r in rows]
         assert [e.value for e in acc.Scalars(key)] == pytest.approx(jsonl, rel=1e-6), key
         assert [h[key] for h in history] == pytest.approx(jsonl, rel=1e-6), key
+
+
+def test_the_30b_recipes_cpu_line_trains_on_8_processes_with_its_expert_split(tmp_path):
+    """recipes/qwen3_30b_a3b.toml's header line, as written (its output folder moved here): the GPUs'
+    mesh (dp 8, ep 8) on 8 CPU processes, every routed token computed."""
+    from test_recipes import shipped_commands
+
+    (words,) = [
+        w for _, w in shipped_commands() if "recipes/qwen3_30b_a3b.toml" in w and "train.device=cpu" in w
+    ]
+    proc = run_recipe([str(RECIPES.parent / words[0]), *words[1:], f"output_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "qwen3_30b_a3b")
+    info = json.loads((tmp_path / "qwen3_30b_a3b" / "run.json").read_text())
+    assert info["mesh"]["ep"] == 8 and info["world_size"] == 8 and len(rows) == 4
+    assert all(r["moe/tokens_dropped"] == 0 for r in rows)
+
+
+def test_an_ep_rank_is_estimated_within_5_percent_and_holds_its_share_of_the_experts(tmp_path):
+    """FSDP 2 x ep 2 (4 ranks): the traced estimate (balanced routing) against the measured step-2
+    peak; the optimizer's moments, exact, are a quarter of the model's (experts over dp_shard_mod_ep x
+    ep, everything else over dp_shard 4; rank 0's uneven shards a few elements more)."""
+    from meshforge.core.units import GiB
+    from meshforge.recipe import load_recipe
+    from meshforge.simulate.estimate import trace_pool, traced_estimate
+
+    overrides = ["mesh.dp_shard=4", "mesh.ep=2", "train.steps=3", "logging.memory_breakdown_step=2"]
+    proc = run_recipe(_args(tmp_path, "mem", *overrides), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "mem" / "run.json").read_text())
+    per_rank = info["summary"]["memory_breakdown"]["per_rank"]
+    recipe = load_recipe(RECIPES / "debug_cpu.toml", [*ONE_RANK, *QUICK, *MOE, *overrides])
+    with trace_pool() as pool:
+        est = traced_estimate(recipe, pool)
+    measured = max(r["total_gib"] for r in per_rank) * GiB
+    assert abs(est["total"] / measured - 1) <= 0.05, (est, measured)
+    assert est["optimizer"] == per_rank[0]["optimizer_gib"] * GiB  # rank 0: FSDP's padded shards
+    assert est["optimizer"] == pytest.approx(2 * 4 * info["n_params"] / 4, rel=1e-3)
