@@ -3,7 +3,7 @@ then not read would let a recipe say one thing and train another.
 
 Refused here (set to anything but the default): what the chosen data source does not read,
 loss-scale settings without fp16 compute, `selective_every` without selective checkpointing,
-`op_save` without per-op checkpointing.
+`op_save` without per-op checkpointing, `memory_budget` without its mode.
 Left alone, with the reason in the field's doc (`meshforge explain`): settings of a switch
 that is off (eval.every = 0, checkpoint.enabled = false, logging.wandb = false, compile off)
 and policies of a mesh dimension of degree 1 (tp.*, pp.*, FSDP's with one data-parallel
@@ -95,6 +95,7 @@ def check_inert(r: Recipe) -> list[Problem]:
     for mode, name, reads_none in (
         ("selective", "selective_every", "checkpoints no Nth block"),
         ("op", "op_save", "keeps no op's outputs"),
+        ("memory_budget", "memory_budget", "gives the compiler no budget"),
     ):
         if ac.mode != mode:
             why = f"activation_checkpoint.mode = {ac.mode!r} {reads_none}"

@@ -97,12 +97,18 @@ class ActivationCheckpointConfig:
     mode: str = F(
         "none",
         "none | full | selective (every Nth block) | op (per op, every block: the outputs of the ops "
-        "in op_save are kept, but every second matmul's, and the rest recomputed: TorchTitan's SAC)",
+        "in op_save are kept, but every second matmul's, and the rest recomputed: TorchTitan's SAC) | "
+        "memory_budget (compiled blocks: the compiler chooses what to recompute within memory_budget)",
     )
     selective_every: int = F(2, "with mode=selective: checkpoint every Nth transformer block")
     op_save: List[str] = F(
         SAC_SAVE_OPS,
         "with mode=op: the ops (namespace.name, their default overload) whose outputs are kept",
+    )
+    memory_budget: float = F(
+        0.5,
+        "with mode=memory_budget: the share of a compiled block's activations kept for backward, 0-1 "
+        "(torch's min-cut partitioner recomputes the cheapest rest: 1 keeps all, 0 recomputes what it can)",
     )
 
 

@@ -198,6 +198,15 @@ def check_combinations(r: Recipe, dims: ParallelDims) -> list[Problem]:
                 "not have); set eval.every=0 or use 1F1B, Interleaved1F1B or InterleavedZeroBubble",
             )
         )
+    if r.activation_checkpoint.mode == "memory_budget" and not r.compile.enabled:
+        problems.append(
+            Problem(
+                "activation_checkpoint.mode",
+                "memory_budget",
+                "the budget is torch.compile's: its partitioner chooses what a compiled block recomputes; "
+                "set compile.enabled=true, or mode=op / full for eager checkpointing",
+            )
+        )
     if r.compile.enabled and r.mesh.tp > 1:
         problems.append(
             Problem(

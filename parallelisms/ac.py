@@ -4,12 +4,15 @@ The block's forward is wrapped in place (not the module), so parameter names sta
 `layers.N.attention.wq.weight` for checkpoints, TP plans and golden files. Modes: `full` (every
 block), `selective` (every Nth block), `op` (every block, per op: torch's selective checkpoint
 contexts keep the outputs of the listed ops, matmuls, attention, TP's reduce-scatters, but
-recompute every second matmul and everything else; TorchTitan's default policy).
+recompute every second matmul and everything else; TorchTitan's default policy), `memory_budget`
+(no wrapper: torch.compile's min-cut partitioner keeps at most that share of each compiled block's
+activations for backward and recomputes the cheapest rest; it needs compile, as TorchTitan's does).
 """
 
 from __future__ import annotations
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -21,7 +24,9 @@ MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear")  # every second o
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     """mode=full: every block; mode=selective: every `selective_every`-th block (by layer id);
     mode=op: every block, keeping the outputs of `cfg.op_save` but every second matmul's."""
-    if cfg.mode == "none":
+    # no wrapper for a budget: compile's partitioner reads it, process-wide (1.0, keep all, otherwise)
+    functorch_config.activation_memory_budget = cfg.memory_budget if cfg.mode == "memory_budget" else 1.0
+    if cfg.mode in ("none", "memory_budget"):
         return
     save = resolve_ops(cfg.op_save) if cfg.mode == "op" else None
     for layer_id, block in model.layers.items():

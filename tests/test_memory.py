@@ -376,3 +376,43 @@ def test_traced_estimate_leaves_offloaded_states_off_the_device():
     assert off["activations"] == plain["activations"]  # compute is where it was
     assert plain["total"] - off["total"] == plain["total"] - sum(off[c] for c in CATEGORIES) > 0
     assert plain["total"] - off["total"] == (plain["parameters"] - off["parameters"]) + plain["optimizer"]
+
+
+@pytest.mark.slow
+def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradients():
+    """activation_checkpoint.mode=memory_budget on compiled blocks (one process): the bytes the
+    compiled blocks save for backward fall from budget 1 to 0.5 to 0 while the loss and every
+    gradient stay the same (the partitioner recomputes, it does not approximate)."""
+    import dataclasses
+
+    from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig
+    from meshforge.models import get_model_spec
+    from meshforge.parallelisms.ac import apply_ac
+    from meshforge.parallelisms.compile import apply_compile
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debug"], dim=128, n_heads=4, n_kv_heads=2)
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    saved, grads = {}, {}
+    for budget in (1.0, 0.5, 0.0):
+        torch._dynamo.reset()
+        model = spec.build(args)
+        model.init_weights(0)
+        apply_ac(model, ActivationCheckpointConfig(mode="memory_budget", memory_budget=budget))
+        apply_compile(model, CompileConfig(enabled=True))
+        nbytes = [0]
+
+        def pack(t, nbytes=nbytes):
+            nbytes[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        saved[budget] = nbytes[0]
+        grads[budget] = [p.grad for p in model.parameters()]
+    apply_ac(model, ActivationCheckpointConfig(mode="none"))  # the process-wide budget back to 1
+    assert saved[1.0] > saved[0.5] > saved[0.0] > 0, saved
+    for budget in (0.5, 0.0):
+        for a, b in zip(grads[1.0], grads[budget]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -121,6 +121,22 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
         [],
         1e-5,
     ),
+    # the compiler's partitioner recomputes within a budget (#28): 0 recomputes the most
+    "fsdp2_memory_budget_0": (
+        [
+            "mesh.dp_shard=2",
+            "compile.enabled=true",
+            "activation_checkpoint.mode=memory_budget",
+            "activation_checkpoint.memory_budget=0",
+        ],
+        [],
+        1e-5,
+    ),
+    "pp2_memory_budget_0.5": (
+        ["mesh.pp=2", "compile.enabled=true", "activation_checkpoint.mode=memory_budget"],
+        [],
+        1e-5,
+    ),
     "fsdp2_cpu_offload": (["mesh.dp_shard=2", "fsdp.cpu_offload=true"], [], 1e-5),
     "one_process_cpu_offload": (["fsdp.cpu_offload=true"], [], 1e-5),  # FSDP on a 1-rank mesh
     "qwen3_tp2": (["mesh.tp=2", *QWEN3], QWEN3, 1e-5),  # QK-norm weights reduced over tp

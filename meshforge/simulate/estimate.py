@@ -365,5 +365,15 @@ def print_estimate(
     rows = estimate_rows(recipe_path, overrides, world, all_meshes, traced=not analytic)
     out = console if console.is_terminal else Console(width=160)
     out.print(estimate_table(rows, device_memory))
-    for line in estimate_refusals(rows):
+    for line in estimate_refusals(rows) + estimate_caveats(load_config(recipe_path, overrides)[0]):
         out.print(line, highlight=False, soft_wrap=True)
+
+
+def estimate_caveats(recipe: Recipe) -> list[str]:
+    """What the trace cannot see of this recipe, said under the table."""
+    if recipe.activation_checkpoint.mode != "memory_budget":
+        return []
+    return [
+        "activation_checkpoint.mode = memory_budget: traced eager (the compiler's partitioner, which "
+        "recomputes within the budget, does not run on fake tensors): activations are an upper bound"
+    ]

@@ -189,6 +189,11 @@ class Trainer(TrainingRun):
         on_breakdown_step = step == self.recipe.logging.memory_breakdown_step
         if on_breakdown_step and self._breakdown_blocked:
             self.console.note(self._breakdown_blocked)
+        if on_breakdown_step and self.recipe.activation_checkpoint.mode == "memory_budget":
+            self.console.note(
+                "memory by category runs its step eager (a dispatch mode cannot watch a compiled graph): "
+                "the memory budget's recomputation is not in its activations"
+            )
         if on_breakdown_step and self._breakdown_blocked is None:
             result = self._tracked_step(step)
         else:
