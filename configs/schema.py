@@ -113,6 +113,27 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    start_step: int = F(
+        0,
+        "first step run under torch.profiler (0: none): a trace per rank in <run>/profile (TensorBoard's "
+        "profiler plugin, Perfetto) and the steps' time by part in the summary",
+    )
+    steps: int = F(2, "how many steps are profiled" + unread_with("profile.start_step = 0", "a switch"))
+    record_shapes: bool = F(
+        False, "record ops' input shapes (bigger traces)" + unread_with("start_step = 0", "a switch")
+    )
+    with_stack: bool = F(
+        False, "record Python stacks (bigger, slower traces)" + unread_with("start_step = 0", "a switch")
+    )
+    memory_snapshot: bool = F(
+        False,
+        "CUDA: the allocator's history over the profiled steps, profile/memory-rank<r>.pickle for "
+        "pytorch.org/memory_viz" + unread_with("start_step = 0", "a switch"),
+    )
+
+
+@dataclass
 class CompileConfig:
     enabled: bool = F(False, "torch.compile each transformer block")
     backend: str = F("inductor", "torch.compile backend" + unread_with("compile.enabled = false", "a switch"))
@@ -310,6 +331,7 @@ class Recipe:
         ActivationCheckpointConfig(), "activation checkpointing"
     )
     compile: CompileConfig = F(CompileConfig(), "torch.compile")
+    profile: ProfileConfig = F(ProfileConfig(), "torch.profiler over chosen steps")
     optimizer: OptimizerConfig = F(OptimizerConfig(), "optimizer")
     lr_scheduler: LRSchedulerConfig = F(LRSchedulerConfig(), "learning-rate schedule")
     train: TrainConfig = F(TrainConfig(), "the training loop")

@@ -56,6 +56,7 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
         problems += check_experts(r, args, dims)
     problems += checks.check(r)
     problems += check_op_names(r)
+    problems += check_profile(r)
     if args is not None:
         problems += check_hf_init(r, args)
     return problems
@@ -254,6 +255,44 @@ def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
             Problem(
                 "mesh.ep", dims.ep, f"{r.model.name} has no experts: set mesh.ep=1 or model.name=qwen3_moe"
             )
+        )
+    return problems
+
+
+def check_profile(r: Recipe) -> list[Problem]:
+    """Profiled steps that exist, apart from the memory step, where a profiler can be had."""
+    p, problems = r.profile, []
+    if p.start_step < 0 or p.steps < 1:
+        problems.append(
+            Problem("profile", f"start_step={p.start_step}, steps={p.steps}", "start_step >= 0, steps >= 1")
+        )
+    if not p.start_step or problems:
+        return problems
+    last = p.start_step + p.steps - 1
+    if last > r.train.steps:
+        problems.append(
+            Problem(
+                "profile.start_step",
+                p.start_step,
+                f"steps {p.start_step}-{last} end after train.steps={r.train.steps}",
+            )
+        )
+    if p.start_step <= r.logging.memory_breakdown_step <= last:
+        problems.append(
+            Problem(
+                "profile.start_step",
+                p.start_step,
+                f"the profiled steps hold logging.memory_breakdown_step={r.logging.memory_breakdown_step} "
+                "(its tracker would be in the trace): profile other steps, or move or 0 the memory step",
+            )
+        )
+    if p.memory_snapshot and r.train.device == "cpu":
+        problems.append(
+            Problem("profile.memory_snapshot", True, "a CUDA allocator snapshot: not on train.device=cpu")
+        )
+    if r.backend == "jax":
+        problems.append(
+            Problem("profile.start_step", p.start_step, "torch.profiler profiles backend=torch runs")
         )
     return problems
 

@@ -102,7 +102,8 @@ class ParallelDims:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
     def spelled(self) -> str:
-        return ", ".join(f"{n}={d}" for n, d in self.degrees.items())
+        """The degrees as a person reads them: every mesh dim, a borrowed one (ep) only when in use."""
+        return ", ".join(f"{n}={d}" for n, d in self.degrees.items() if n in MESH_DIMS or d > 1)
 
     def overrides(self) -> list[str]:
         """The recipe overrides that select this mesh."""

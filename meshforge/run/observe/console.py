@@ -185,6 +185,15 @@ class RunConsole:
                     f"{s['peak_memory_gib']:.2f} GiB ({PEAK_MEANING[device_type]}, max over ranks)",
                 )
             )
+        if "profile_compute_s" in s:
+            parts = ", ".join(
+                f"{k.removeprefix('profile_').removesuffix('_s').replace('_', ' ')} {s[k]:.3f}"
+                for k in s
+                if k.startswith("profile_")
+            )
+            rows.append(
+                ("profiled step (s)", f"{parts} (slowest rank per part); traces: {run_dir / 'profile'}")
+            )
         rows.append(("records", str(run_dir / "metrics.jsonl") + ", run.json"))
         rows += [(k, v) for k, v in logger_paths.items() if k != "wandb"]
         for k, v in rows:

@@ -51,12 +51,14 @@ class StepTime:
 
 
 def exclusion(
-    nth_step: int, warmup: int, *, tracked: bool, saved: bool, evaluated: bool = False
+    nth_step: int, warmup: int, *, tracked: bool, saved: bool, evaluated: bool = False, profiled: bool = False
 ) -> str | None:
     """Why a step (the `nth_step` of this process) is not a steady one: the one rule."""
     if nth_step <= warmup:
         return "warmup"
-    return "memory_tracking" if tracked else "checkpoint" if saved else "eval" if evaluated else None
+    if tracked or profiled:
+        return "memory_tracking" if tracked else "profiling"
+    return "checkpoint" if saved else "eval" if evaluated else None
 
 
 def step_times_of_rows(rows: list[dict], warmup: int) -> list[StepTime]:
@@ -64,8 +66,10 @@ def step_times_of_rows(rows: list[dict], warmup: int) -> list[StepTime]:
     out = []
     for i, row in enumerate(r for r in rows if "step_time" in r):
         tracked = any(k.startswith("mem_breakdown/") for k in row)
-        saved, evaluated = "checkpoint_seconds" in row, "eval/loss" in row
-        excluded = exclusion(i + 1, warmup, tracked=tracked, saved=saved, evaluated=evaluated)
+        saved, evaluated, profiled = "checkpoint_seconds" in row, "eval/loss" in row, "profile/active" in row
+        excluded = exclusion(
+            i + 1, warmup, tracked=tracked, saved=saved, evaluated=evaluated, profiled=profiled
+        )
         tokens = round(row["tokens_per_sec"] * row["step_time"])
         out.append(StepTime(row["step"], tokens, row["step_time"], excluded))
     return out

@@ -44,10 +44,12 @@ class StepResult:
     overflow: bool = False  # fp16: skipped on an overflow; the loss scale backed off
     stop: bool = False  # a stop signal reached every rank: stop after this step
     tracked: bool = False  # ran under the memory tracker (logging.memory_breakdown_step)
+    profiled: bool = False  # ran under torch.profiler ([profile])
     loss_scale: dict = field(default_factory=dict)  # fp16: loss_scale, overflow_steps
     memory_breakdown: dict = field(default_factory=dict)  # mem_breakdown/<category>_gib and its _min/_rank
     eval: dict = field(default_factory=dict)  # eval/loss, eval/perplexity, when it evaluated
     extra: Any = None  # a trainer's further metrics, read on logging steps (`extra_metrics`)
+    profile: dict = field(default_factory=dict)  # profile/<part>_s after the last profiled step
 
 
 class TrainingRun:
@@ -187,6 +189,7 @@ class TrainingRun:
             step - self.start_step,
             r.logging.warmup_steps,
             tracked=result.tracked,
+            profiled=result.profiled,
             saved=checkpoint_s is not None,
             evaluated=evaluated,
         )
@@ -194,7 +197,7 @@ class TrainingRun:
         st.times.append(StepTime(step, result.tokens, seconds, why))
         self._unread_losses.append(result.loss)
         due = step % r.logging.log_every == 0 or step == r.train.steps
-        if due or not result.finite or result.tracked or evaluated:
+        if due or not result.finite or result.tracked or evaluated or result.profiled:
             metrics = self._metrics(step, result, seconds)  # every rank: memory is reduced over ranks
             if checkpoint_s is not None:
                 metrics["checkpoint_seconds"] = checkpoint_s
@@ -224,6 +227,8 @@ class TrainingRun:
             **result.memory_breakdown,
             **result.eval,
             **self.extra_metrics(result),
+            **result.profile,
+            **({"profile/active": 1.0} if result.profiled else {}),
         }
 
     def extra_metrics(self, result: StepResult) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.logs import setup_logging
@@ -41,6 +42,7 @@ from meshforge.run.observe.memory import (
     start_memory_history,
 )
 from meshforge.run.observe.memtrace import in_gib, peak_categories, tracked_step
+from meshforge.run.observe.profile import DATA, OPTIMIZER, PARTS, StepProfiler
 from meshforge.run.observe.record import RunRecord, RunState, Throughput
 from meshforge.run.train.evaluate import data_streams
 from meshforge.run.train.forward_backward import ForwardBackward, Phase, PipelineLoss
@@ -128,6 +130,8 @@ class Trainer(TrainingRun):
             self.env.device.type,
         )
         self.state = RunState(step=self.start_step)
+        self.profiler = StepProfiler(r.profile, self.run_dir, self.env.rank, self.env.device)
+        self.profile_breakdown: dict = {}
         self._breakdown_blocked = None
         if self.dims.pp_enabled and r.pp.schedule in ZERO_BUBBLE_SCHEDULES:
             self._breakdown_blocked = (
@@ -194,17 +198,31 @@ class Trainer(TrainingRun):
                 "memory by category runs its step eager (a dispatch mode cannot watch a compiled graph): "
                 "the memory budget's recomputation is not in its activations"
             )
-        if on_breakdown_step and self._breakdown_blocked is None:
-            result = self._tracked_step(step)
-        else:
-            result = self._step()
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
+        with self.profiler.step(step):
+            if on_breakdown_step and self._breakdown_blocked is None:
+                result = self._tracked_step(step)
+            else:
+                result = self._step()
+            if self.env.device.type == "cuda":
+                torch.cuda.synchronize()
+        result.profiled = self.profiler.active(step)
+        parts = self.profiler.finish(step)
+        if parts is not None:
+            result.profile = self._profile_metrics(parts)
         return result
+
+    def _profile_metrics(self, parts: dict) -> dict:
+        """The profiled steps' seconds by part, the slowest rank's of each (every rank reduces)."""
+        values = torch.tensor([parts[k] for k in PARTS], dtype=torch.float64, device=self.env.device)
+        if dist.is_initialized():
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        self.profile_breakdown = {f"profile_{k}": v for k, v in zip(PARTS, values.tolist())}
+        return {f"profile/{k}": v for k, v in zip(PARTS, values.tolist())}
 
     def _step(self) -> StepResult:
         r, env = self.recipe, self.env
-        batches = self.loader.next_step()
+        with record_function(DATA):
+            batches = self.loader.next_step()
         # the global number of target tokens, summed over accumulation and dp ranks (counted before
         # cp takes its part: every cp rank of a dp rank reads the same samples)
         n_tokens = torch.tensor(
@@ -243,14 +261,15 @@ class Trainer(TrainingRun):
         # loss and norm are reduced over all ranks, so every rank takes the same branch
         outcome = self.scaler.judge(loss_finite=bool(loss_finite), grads_finite=bool(grads_finite))
         self.forward_backward.phase = Phase.OPTIMIZER
-        if outcome == "ok":
-            for opt, sched in zip(self.optimizers, self.schedulers):
-                opt.step()
-                sched.step()
-            if moe_stats is not None:
-                self.moe.update_bias(moe_stats)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        with record_function(OPTIMIZER):
+            if outcome == "ok":
+                for opt, sched in zip(self.optimizers, self.schedulers):
+                    opt.step()
+                    sched.step()
+                if moe_stats is not None:
+                    self.moe.update_bias(moe_stats)
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
         return StepResult(
             loss=loss,
             grad_norm=grad_norm,
@@ -326,7 +345,7 @@ class Trainer(TrainingRun):
     def summary_extra(self) -> dict:
         fp16 = self.scaler.metrics(self.scaler.scale)  # the final scale and overflow count (fp16)
         evaluated = {k.replace("/", "_"): v for k, v in self.evaluator.last.items()}  # eval_loss, ...
-        return {**fp16, **evaluated}
+        return {**fp16, **evaluated, **self.profile_breakdown}
 
 
 def train(recipe: Recipe) -> RunState:
