@@ -5,12 +5,14 @@ that did not map, and refuse what meshforge cannot do with exit 2 and no file wr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import tomllib
 from conftest import REPO, read_metrics, run_cli, run_recipe
 
+from meshforge.configs import RecipeError
 from meshforge.core.errors import UsageError
 from meshforge.migrate import ImportRefused, import_config
 from meshforge.models import args_from_config
@@ -194,7 +196,7 @@ def test_torchtitan_job_files_map_with_titan_s_defaults(tmp_path):
     _, r, text = _import(tmp_path, TITAN / "llama3_8b.toml", 64)
     assert r.model.flavor == "8b" and r.model.dim is None  # meshforge's 8b is TorchTitan's 8B: no overrides
     assert set(tomllib.loads(text)["model"]) == {"name", "flavor", "max_seq_len"}
-    assert r.activation_checkpoint.mode == "full" and "op-level selective AC approximated" in text
+    assert r.activation_checkpoint.mode == "op" and "meshforge's per-op AC, TorchTitan's policy" in text
     assert (r.train.seq_len, r.train.steps, r.lr_scheduler.warmup_steps) == (8192, 1000, 200)
 
     _, r, _ = _import(tmp_path, TITAN / "llama3_70b.toml", 64)
@@ -250,12 +252,214 @@ def test_torchtitan_refusals(tmp_path):
     why = {s.key: s.why for s in e.value.imported.unsupported}
     assert set(why) == {
         "model.converters",
-        "parallelism.expert_parallel_degree",
         "lr_scheduler.decay_ratio",
         "lr_scheduler.decay_type",
         "made_up.key",
     }
     assert "warmup-stable-decay" in why["lr_scheduler.decay_ratio"]
+    # expert parallel of a dense model: TorchTitan builds the mesh and nothing uses it
+    inert = {s.key: s.why for s in e.value.imported.not_mapped}
+    assert "the model has no experts" in inert["parallelism.expert_parallel_degree"]
+
+
+def _titan_moe_job(tmp_path, flavor: str = "debugmodel_moe", training: str = "", **parallelism) -> Path:
+    """TorchTitan's Qwen3 MoE debug job with its flavor line and the given [parallelism] lines
+    changed (each replaces the file's own line of that key), and lines added to [training]."""
+    text = (TITAN / "qwen3_moe_debug.toml").read_text()
+    assert text.count('flavor = "debugmodel_moe"') == 1
+    text = text.replace('flavor = "debugmodel_moe"', f'flavor = "{flavor}"')
+    text = text.replace("[training]\n", f"[training]\n{training}")
+    for key, value in parallelism.items():
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert n == 1, key
+    job = tmp_path / "titan" / f"{flavor}.toml"
+    job.parent.mkdir(exist_ok=True)
+    job.write_text(text)
+    return job
+
+
+def test_torchtitan_qwen3_moe_debug_job_imports_as_written(tmp_path):
+    """TorchTitan's own Qwen3 MoE job (torchtitan/models/qwen3/train_configs/qwen3_moe_debug.toml at
+    v0.2.0, verbatim): its debugmodel_moe (64 experts, top-8, every block sparse) becomes meshforge's
+    qwen3_moe with every difference from its debug flavor overridden, balanced as 0.2 trains it (an
+    expert bias that nothing moves: aux_free at rate 0, no aux loss)."""
+    imported, r, text = _import(tmp_path, TITAN / "qwen3_moe_debug.toml", 8)
+    a = args_from_config(r.model)
+    assert (r.model.name, r.model.flavor, r.mesh.ep, r.mesh.dp_shard) == ("qwen3_moe", "debug", 1, 8)
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.vocab_size) == (
+        256,
+        8,
+        16,
+        8,
+        128,
+        2048,
+    )
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_dim, a.n_moe_layers) == (64, 8, 768, 8)
+    assert a.norm_topk_prob and not a.tie_embeddings and a.rope_theta == 1e6
+    assert (a.load_balance, a.bias_update_rate) == ("aux_free", 0.0)
+    assert "never moves" in text and "pytorch/torchtitan#3666" in text
+    assert r.activation_checkpoint.mode == "op"  # selective AC by op: meshforge's per-op AC (ep 1)
+    assert not imported.unsupported and "quantize.linear.float8.filter_fqns" in text
+
+
+def test_torchtitan_expert_parallel_maps_to_mesh_ep(tmp_path):
+    """expert_parallel_degree is mesh.ep (both borrow the inner ranks of dp_shard x cp); TorchTitan's
+    30B-A3B and 235B-A22B are meshforge's flavors of the same shape. With tp > 1, expert tensor
+    parallel = tp imports ep as it is and etp = 1 (ep across the tp ranks too) as ep / tp: meshforge
+    runs the MoE whole on every tp rank, the same math either way, noted."""
+    job = _titan_moe_job(tmp_path, "30B-A3B", expert_parallel_degree=4)
+    imported, r, text = _import(tmp_path, job, 8)
+    assert (r.model.flavor, r.mesh.ep, r.mesh.dp_shard, r.mesh.tp) == ("30b-a3b", 4, 8, 1)
+    model = tomllib.loads(text)["model"]
+    assert model == {
+        "name": "qwen3_moe",
+        "flavor": "30b-a3b",
+        "load_balance": "aux_free",
+        "bias_update_rate": 0.0,
+        "max_seq_len": 4096,
+    }
+    assert not imported.unsupported
+
+    job = _titan_moe_job(
+        tmp_path,
+        "30B-A3B",
+        tensor_parallel_degree=2,
+        expert_parallel_degree=4,
+        expert_tensor_parallel_degree=2,
+    )
+    _, r, text = _import(tmp_path, job, 16)
+    assert (r.mesh.ep, r.mesh.dp_shard, r.mesh.tp) == (4, 8, 2)
+    assert "TorchTitan splits every expert over the tp ranks" in text
+
+    job = _titan_moe_job(tmp_path, "30B-A3B", tensor_parallel_degree=2, expert_parallel_degree=4)
+    _, r, text = _import(tmp_path, job, 16)  # etp = 1, TorchTitan's default
+    assert (r.mesh.ep, r.mesh.dp_shard, r.mesh.tp) == (2, 8, 2)
+    assert "mesh.ep = 4 / tp 2 = 2" in text
+
+    job = _titan_moe_job(tmp_path, "235B-A22B", expert_parallel_degree=8)
+    _, r, _ = _import(tmp_path, job, 16)
+    a = args_from_config(r.model)
+    assert (r.model.flavor, r.mesh.ep, a.n_layers, a.moe_dim) == ("235b-a22b", 8, 94, 1536)
+    assert a.rope_theta == 5e6  # TorchTitan's flavor, not the published config's 1e6
+
+
+def test_torchtitan_moe_refusals(tmp_path):
+    """What meshforge's MoE does not do is listed by key and value; TorchTitan's own ep rules are
+    its errors; a Qwen3 flavor without experts or another MoE family is not imported."""
+    job = _titan_moe_job(tmp_path, training="debug_moe_force_load_balance = true\n")
+    with pytest.raises(ImportRefused) as e:
+        import_config(job, tmp_path / "x.toml", 8)
+    [refused] = e.value.imported.unsupported
+    assert (refused.key, refused.value) == ("training.debug_moe_force_load_balance", True)
+    assert "round-robin" in refused.why
+
+    for flavor in ("0.6B", "debugmodel"):  # TorchTitan's dense Qwen3 flavors
+        with pytest.raises(ImportRefused) as e:
+            import_config(_titan_moe_job(tmp_path, flavor), tmp_path / "x.toml", 8)
+        [refused] = e.value.imported.unsupported
+        assert (refused.key, refused.value) == ("model.flavor", f"qwen3/{flavor}")
+        assert "qwen3's MoE flavors (debugmodel_moe, 30B-A3B, 235B-A22B)" in refused.why
+
+    job = _titan_moe_job(
+        tmp_path, tensor_parallel_degree=2, expert_parallel_degree=4, expert_tensor_parallel_degree=4
+    )
+    with pytest.raises(UsageError, match="TorchTitan supports only ETP=TP or ETP=1"):
+        import_config(job, tmp_path / "x.toml", 16)
+    job = _titan_moe_job(tmp_path, expert_parallel_degree=3)
+    with pytest.raises(UsageError, match="must be a multiple of cp = 1 and divide dp_shard x cp = 8"):
+        import_config(job, tmp_path / "x.toml", 8)
+    job = _titan_moe_job(tmp_path, tensor_parallel_degree=4, expert_parallel_degree=2)  # etp = 1
+    with pytest.raises(UsageError, match="multiple of cp x tp = 4 and divide dp_shard x cp x tp = 8"):
+        import_config(job, tmp_path / "x.toml", 8)
+    # mesh.ep must still divide the experts: meshforge's own rule, from the recipe check
+    job = _titan_moe_job(tmp_path, expert_parallel_degree=128)
+    with pytest.raises(RecipeError, match="mesh.ep"):
+        import_config(job, tmp_path / "x.toml", 128)
+    assert not (tmp_path / "x.toml").exists()
+
+
+AUTOEP = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 2,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2},
+}
+
+
+def _autoep(tmp_path, world: int, model: str = "qwen3_moe:debug", stage: int = 2, **autoep):
+    src = tmp_path / "autoep.json"
+    section = {"enabled": True, **autoep}
+    src.write_text(json.dumps({**AUTOEP, "zero_optimization": {"stage": stage}, "expert_parallel": section}))
+    return _import(tmp_path, src, world, model=model)
+
+
+def test_deepspeed_autoep_maps_to_mesh_ep(tmp_path):
+    """DeepSpeed 0.19's AutoEP section: autoep_size is mesh.ep (consecutive ranks of a stage, as
+    meshforge's inner ep of dp_shard x cp), top_k / route_norm / use_grouped_mm the model's fields;
+    under ZeRO 0 ep takes FSDP's ranks (ZeRO-2-like), and a disabled section is listed as inert."""
+    imported, r, text = _autoep(
+        tmp_path,
+        8,
+        autoep_size=4,
+        preset_model="qwen3_moe",
+        top_k=4,
+        route_norm=False,
+        use_grouped_mm=False,
+        comm_backend="comm",
+        load_balance_coeff=None,
+    )
+    a = args_from_config(r.model)
+    assert (r.mesh.ep, r.mesh.dp_shard, r.mesh.dp_replicate) == (4, 8, 1) and not imported.unsupported
+    assert (a.num_experts_per_tok, a.norm_topk_prob, a.grouped_mm, a.num_experts) == (4, False, False, 8)
+    assert "expert_parallel.comm_backend = 'comm': the all-to-all's backend" in text
+    assert "output_router_logits" in text  # the aux loss is the model's, not the JSON's
+
+    _, r, text = _autoep(tmp_path, 8, stage=0, autoep_size=4)
+    assert (r.mesh.ep, r.mesh.dp_shard, r.mesh.dp_replicate, r.fsdp.reshard_after_forward) == (4, 4, 2, False)
+    assert "autoep_size = 4 under ZeRO 0" in text
+
+    src = tmp_path / "off.json"
+    src.write_text(json.dumps({**AUTOEP, "expert_parallel": {"enabled": False, "autoep_size": 4}}))
+    imported, r, text = _import(tmp_path, src, 8, model="qwen3_moe:debug")
+    assert r.mesh.ep == 1 and "expert_parallel.autoep_size = 4: AutoEP is off" in text
+
+
+def test_deepspeed_autoep_refusals(tmp_path):
+    """Routing meshforge's MoE does not do is listed by key and value; AutoEP of a dense model is
+    refused; DeepSpeed's own AutoEP errors are reproduced."""
+    with pytest.raises(ImportRefused) as e:
+        _autoep(
+            tmp_path,
+            8,
+            autoep_size=2,
+            preset_model="mixtral",
+            score_func="sigmoid",
+            route_scale=2.5,
+            num_expert_groups=4,
+            has_shared_experts=True,
+            expert_activation="gelu",
+        )
+    refused = {s.key: s.value for s in e.value.imported.unsupported}
+    assert refused == {
+        "expert_parallel.preset_model": "mixtral",
+        "expert_parallel.score_func": "sigmoid",
+        "expert_parallel.route_scale": 2.5,
+        "expert_parallel.num_expert_groups": 4,
+        "expert_parallel.has_shared_experts": True,
+        "expert_parallel.expert_activation": "gelu",
+    }
+    with pytest.raises(ImportRefused) as e:
+        _autoep(tmp_path, 8, model="llama3:debug", autoep_size=2)
+    [refused] = e.value.imported.unsupported
+    assert refused.key == "expert_parallel.enabled" and "no experts" in refused.why
+    for autoep, message in (
+        ({"autoep_size": 2, "expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size=2 is reserved"),
+        ({"autoep_size": 3}, "(3 * 1 = 3) must divide the stage size (world_size=8 / pp_size=1 = 8)"),
+        ({"load_balance_coeff": 0.001}, "load_balance_coeff=0.001 is not supported in this AutoEP build"),
+    ):
+        with pytest.raises(UsageError) as e:
+            _autoep(tmp_path, 8, **autoep)
+        assert message in str(e.value)
 
 
 def test_the_cli_prints_every_unmapped_key_and_exits_2(tmp_path):
@@ -277,31 +481,37 @@ def test_the_cli_prints_every_unmapped_key_and_exits_2(tmp_path):
 
 @pytest.mark.slow
 def test_imported_recipes_run(tmp_path):
-    """The seeds' DeepSpeed example (3 pipeline stages, fp16) and TorchTitan's debug job, imported
-    and run as a user would, on CPU processes (sizes overridden for the laptop)."""
+    """The seeds' DeepSpeed example (3 pipeline stages, fp16), TorchTitan's debug job and its Qwen3
+    MoE job with expert parallel 2, imported and run as a user would, on CPU processes (sizes
+    overridden for the laptop)."""
+    small_moe = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_dim=64"]
     cases = [
-        (DS / "seeds_pipeline_fp16.json", ["--world", "3", "--model", "llama3:debug"], 3),
-        (TITAN / "debug_model.toml", ["--world", "2"], 2),
+        (DS / "seeds_pipeline_fp16.json", ["--world", "3", "--model", "llama3:debug"], 3, []),
+        (TITAN / "debug_model.toml", ["--world", "2"], 2, []),
+        (_titan_moe_job(tmp_path, expert_parallel_degree=2), ["--world", "2"], 2, small_moe),
     ]
-    for src, flags, world in cases:
+    for src, flags, world, sizes in cases:
         out = tmp_path / f"{src.stem}.toml"
         proc = run_cli(
             ["import-config", str(src), *flags, "--out", str(out)], cwd=tmp_path, program="meshforge"
         )
         assert proc.returncode == 0, proc.stderr
         run = run_recipe(
-            [str(out), "train.steps=4", "train.seq_len=32", "logging.wandb=false", f"output_dir={tmp_path}"],
+            [str(out), "train.steps=4", "train.seq_len=32", "logging.wandb=false", f"output_dir={tmp_path}"]
+            + sizes,
             cwd=tmp_path,
         )
         assert run.returncode == 0, run.stderr[-3000:]
         rows = read_metrics(tmp_path / src.stem)
         assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in rows)
         assert f"on {world} x cpu" in run.stdout
+    assert all(r["moe/tokens_dropped"] == 0 for r in rows)  # the MoE job's, on mesh.ep = 2
 
 
 @pytest.mark.slow
 def test_titan_flavors_import_as_torchtitan_builds_them():
-    """The imported TorchTitan flavors have TorchTitan's own parameter counts (0.3.0's builders)."""
+    """The imported TorchTitan flavors (Llama 3 and Qwen3 MoE) have TorchTitan's own parameter counts
+    (0.3.0's builders)."""
     pytest.importorskip("triton")  # TorchTitan imports on the CPU build only with triton
     pytest.importorskip("torchtitan", reason="the titan extra (installed by .[all], as CI does)")
     import torch
@@ -317,6 +527,18 @@ def test_titan_flavors_import_as_torchtitan_builds_them():
             ours = get_model_spec("llama3").build(LlamaArgs(**LLAMA3_FLAVORS[flavor], max_seq_len=2048))
         titan_n = sum(p.numel() for n, p in titan.named_parameters())
         assert count_params(ours) == titan_n, flavor
+
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    from meshforge.migrate.torchtitan_flavors import QWEN3_MOE_FLAVORS
+    from meshforge.models.qwen3_moe import Qwen3MoeArgs
+
+    for flavor, args in QWEN3_MOE_FLAVORS.items():  # the same shapes in 0.2.0 and 0.3.0
+        args = dict(args, mlp_only_layers=tuple(args["mlp_only_layers"]), max_seq_len=2048)
+        with torch.device("meta"):
+            titan = qwen3_configs[flavor](attn_backend="flex").build()
+            ours = get_model_spec("qwen3_moe").build(Qwen3MoeArgs(**args))
+        assert count_params(ours) == sum(p.numel() for p in titan.parameters()), flavor
 
 
 # DeepSpeed's three warmup schedules as configs write them, each compared step by step below
@@ -431,3 +653,20 @@ def test_torchtitan_validation_maps_to_the_eval_loop(tmp_path):
     with pytest.raises(ImportRefused) as e:
         import_config(job, tmp_path / "x.toml", 8)
     assert "24 samples are not whole global batches of 64" in e.value.imported.unsupported[0].why
+
+
+def test_torchtitan_memory_budget_ac_maps_with_compile_and_is_refused_without(tmp_path):
+    """TorchTitan's memory_budget AC is meshforge's (the compiler's partitioner, both need compile)."""
+    job = tmp_path / "job.toml"
+    base = '[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nsteps = 10\n'
+    ac = '[activation_checkpoint]\nmode = "memory_budget"\nmemory_budget = 0.3\n'
+    job.write_text(base + ac + '[compile]\nenable = true\ncomponents = ["model"]\n')
+    _, r, _ = _import(tmp_path, job, 1)
+    assert (r.activation_checkpoint.mode, r.activation_checkpoint.memory_budget) == ("memory_budget", 0.3)
+    assert r.compile.enabled
+    job.write_text(base + ac)
+    with pytest.raises(ImportRefused) as e:
+        import_config(job, tmp_path / "x.toml", 1)
+    assert (
+        "compile.enable" in {s.key: s.why for s in e.value.imported.unsupported}["activation_checkpoint.mode"]
+    )

@@ -20,6 +20,7 @@ from meshforge.core.errors import UsageError
 from meshforge.migrate.deepspeed import from_deepspeed
 from meshforge.migrate.report import Imported
 from meshforge.migrate.torchtitan import from_torchtitan
+from meshforge.migrate.torchtitan_flavors import FAMILIES
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.recipe import load_recipe
 
@@ -94,12 +95,15 @@ def import_config(
             raise UsageError("a DeepSpeed config does not say how many GPUs: pass --world N")
         if model_cfg is None:
             raise UsageError("a DeepSpeed config names no model: pass --model llama3:8b or --base llm_8b")
-        imported = from_deepspeed(data, world, block_weights(model_cfg))
+        experts = getattr(args_from_config(model_cfg), "num_experts", None)
+        imported = from_deepspeed(data, world, block_weights(model_cfg), experts)
     else:
-        imported = from_torchtitan(data, world, get_model_spec("llama3").flavors)
-    if model is not None:  # the user's model wins over the file's
-        for key in [k for k in imported.values if k.startswith("model.") and k != "model.max_seq_len"]:
-            del imported.values[key]
+        flavors = {family: get_model_spec(family).flavors for family, _ in FAMILIES.values()}
+        imported = from_torchtitan(data, world, flavors)
+    if model is not None:  # the user's model wins over a TorchTitan file's (DeepSpeed's has router keys)
+        if kind == "torchtitan":
+            for key in [k for k in imported.values if k.startswith("model.") and k != "model.max_seq_len"]:
+                del imported.values[key]
         imported.values["model.name"], imported.values["model.flavor"] = model_cfg.name, model_cfg.flavor
     imported.values.setdefault("run_name", source.stem)
     if imported.unsupported and not allow_unmapped:

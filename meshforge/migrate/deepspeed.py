@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from meshforge.core.errors import UsageError
 from meshforge.migrate.deepspeed_lr import scheduler
+from meshforge.migrate.deepspeed_moe import auto_ep
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
 
@@ -51,7 +52,7 @@ UNSUPPORTED = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitions: use HSDP",
     "zero_optimization.mics_shard_size": "MiCS sharding: use mesh.dp_replicate x mesh.dp_shard (HSDP)",
-    "moe": "mixture of experts",
+    "moe": "not a DeepSpeed key: its MoE layers are model code (deepspeed.moe); AutoEP's is expert_parallel",
     "elasticity": "elastic batch sizes",
     "compression_training": "compression",
     "sparse_attention": "sparse attention changes the model",
@@ -114,12 +115,15 @@ def _batch(tb, mb, ga, dp: int) -> tuple[int, int, int]:
     return tb, mb, ga
 
 
-def from_deepspeed(data: dict, world: int, block_weights: tuple[float, float]) -> Imported:
+def from_deepspeed(
+    data: dict, world: int, block_weights: tuple[float, float], experts: int | None = None
+) -> Imported:
     """`block_weights`: the model's embedding and output parameters in units of one block's,
-    for DeepSpeed's partition by parameters."""
+    for DeepSpeed's partition by parameters; `experts`: its experts per MoE layer (None: dense)."""
     out, k = Imported("DeepSpeed"), Keys(data)
     pp = _pipeline(k, out, world, block_weights)
-    dp = world // (pp * _ulysses(k, out, world // pp))
+    sp = _ulysses(k, out, world // pp)
+    dp = world // (pp * sp)
     get = lambda key: None if (v := k.take(key)) is MISSING else v  # noqa: E731
     tb, mb, ga = _batch(
         get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps"), dp
@@ -138,6 +142,7 @@ def from_deepspeed(data: dict, world: int, block_weights: tuple[float, float]) -
         out.set("train.grad_accum_steps", ga)
     out.set("mesh.tp", 1)  # DeepSpeed tensor parallelism comes from Megatron code, not the JSON
     _zero(k, out, dp)
+    auto_ep(k, out, experts, world, pp, sp)
     _precision(k, out)
     _optimizer(k, out)
     scheduler(k, out)

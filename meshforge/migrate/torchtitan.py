@@ -13,7 +13,8 @@ import math
 from meshforge.core.errors import UsageError
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
-from meshforge.migrate.torchtitan_flavors import LLAMA3_FLAVORS
+from meshforge.migrate.torchtitan_flavors import FAMILIES, LLAMA3_FLAVORS, QWEN3_MOE_FLAVORS
+from meshforge.migrate.torchtitan_moe import BALANCING, expert_parallel, moe_details
 from meshforge.parallelisms.pp import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES
 
 HELD_OUT = "TorchTitan's named datasets (c4_validation): point eval.path or eval.split at your copy"
@@ -32,7 +33,6 @@ NOT_MAPPED = {
     "training.dataset_path": "TorchTitan's named datasets (c4): point data.source/data.path at your copy",
     "training.gc_freq": "Python GC scheduling",
     "training.gc_debug": "Python GC scheduling",
-    "training.debug_moe_force_load_balance": "MoE only",
     "parallelism.enable_async_tensor_parallel": "a compile-time TP overlap: same math",
     "parallelism.enable_compiled_autograd": "a compile option: same math",
     "checkpoint.last_save_model_only": "meshforge's last checkpoint holds model and optimizer",
@@ -59,19 +59,21 @@ UNSUPPORTED = {"fault_tolerance.enable": "TorchFT", "experimental": "custom Torc
 
 
 def from_torchtitan(data: dict, world: int | None, our_flavors: dict) -> Imported:
-    """`our_flavors`: meshforge's Llama 3 flavors (name -> args), to name the closest one."""
+    """`our_flavors`: meshforge's flavors (family -> name -> args) of every family TorchTitan's
+    models import as (FAMILIES), to name the closest one."""
     out, k = Imported("TorchTitan 0.2"), Keys(data)
-    n_layers = _model(k, out, our_flavors)
-    dp, pp_microbatch = _parallelism(k, out, world, n_layers)
+    n_layers, moe = _model(k, out, our_flavors)
+    dp, pp_microbatch = _parallelism(k, out, world, n_layers, moe)
     _training(k, out, dp, pp_microbatch)
+    moe_details(k, out, moe)
     _validation(k, out, dp)
     _optimizer_and_schedule(k, out)
     _checkpoint(k, out)
-    _activation_checkpoint(k, out)
     if (v := k.take("compile.enable")) is not MISSING:
         out.set("compile.enabled", bool(v))
     if (v := k.take("compile.backend")) is not MISSING:
         out.set("compile.backend", v)
+    _activation_checkpoint(k, out)  # after compile: a memory budget needs it
     for key, field in (
         ("metrics.log_freq", "log_every"),
         ("metrics.enable_tensorboard", "tensorboard"),
@@ -92,29 +94,34 @@ def from_torchtitan(data: dict, world: int | None, our_flavors: dict) -> Importe
     return out
 
 
-def _model(k: Keys, out: Imported, our_flavors: dict) -> int:
-    """The model's fields; returns its number of blocks (for the pipeline layout)."""
+def _model(k: Keys, out: Imported, our_flavors: dict) -> tuple[int, bool | None]:
+    """The model's fields; returns its number of blocks (for the pipeline layout) and whether it has
+    experts (None: the model is refused)."""
     name, flavor = k.take("model.name", "llama3"), k.take("model.flavor", "debugmodel")
     if (conv := k.take("model.converters", [])) != []:
         out.refuse("model.converters", conv, "float8 / MX training changes the matmuls' precision")
-    if name != "llama3" or flavor not in LLAMA3_FLAVORS:
-        what = f"{name}/{flavor}"
+    family, table = FAMILIES.get(name, (None, {}))
+    if flavor not in table:
         out.refuse(
             "model.flavor",
-            what,
-            f"meshforge imports TorchTitan's llama3 flavors: {', '.join(LLAMA3_FLAVORS)}",
+            f"{name}/{flavor}",
+            f"meshforge imports TorchTitan's llama3 flavors ({', '.join(LLAMA3_FLAVORS)}) and qwen3's "
+            f"MoE flavors ({', '.join(QWEN3_MOE_FLAVORS)})",
         )
-        return 0
-    want = LLAMA3_FLAVORS[flavor]
+        return 0, None
+    want, flavors = table[flavor], our_flavors[family]
     # the flavor of ours that matches in shape, else the smallest, with every difference overridden
-    same = [n for n, a in our_flavors.items() if (a.dim, a.n_layers) == (want["dim"], want["n_layers"])]
-    ours = same[0] if same else min(our_flavors, key=lambda n: our_flavors[n].dim)
-    out.set("model.name", "llama3")
+    same = [n for n, a in flavors.items() if (a.dim, a.n_layers) == (want["dim"], want["n_layers"])]
+    ours = same[0] if same else min(flavors, key=lambda n: flavors[n].dim)
+    out.set("model.name", family)
     out.set("model.flavor", ours)
     for field, value in want.items():
-        if getattr(our_flavors[ours], field) != value:
+        have = getattr(flavors[ours], field)
+        if (list(have) if isinstance(have, tuple) else have) != value:
             out.set(f"model.{field}", value)
-    return want["n_layers"]
+    if family == "qwen3_moe":
+        out.notes.append(BALANCING)
+    return want["n_layers"], family == "qwen3_moe"
 
 
 def _context_parallel(cp: int, rotate: str, out: Imported) -> int:
@@ -131,17 +138,17 @@ def _context_parallel(cp: int, rotate: str, out: Imported) -> int:
     return cp
 
 
-def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tuple[int, int | None]:
-    """The mesh and pipeline; returns the data-parallel degree and the pipeline's microbatch size."""
+def _parallelism(
+    k: Keys, out: Imported, world: int | None, n_layers: int, moe: bool | None
+) -> tuple[int, int | None]:
+    """The mesh (expert parallel: torchtitan_moe.py) and pipeline; returns the data-parallel degree
+    and the pipeline's microbatch size."""
     p = lambda key, default: k.take(f"parallelism.{key}", default)  # noqa: E731
     rep, shard = p("data_parallel_replicate_degree", 1), p("data_parallel_shard_degree", -1)
     tp, pp = p("tensor_parallel_degree", 1), p("pipeline_parallel_degree", 1)
     cp = _context_parallel(
         p("context_parallel_degree", 1), p("context_parallel_rotate_method", "allgather"), out
     )
-    for key in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
-        if (v := p(key, 1)) != 1:
-            out.refuse(f"parallelism.{key}", v, f"{key.split('_parallel')[0]} parallelism")
     if shard == -1:
         if world is None:
             raise UsageError(
@@ -155,6 +162,7 @@ def _parallelism(k: Keys, out: Imported, world: int | None, n_layers: int) -> tu
     out.set("mesh.cp", cp)
     out.set("mesh.tp", tp)
     out.set("mesh.pp", pp)
+    expert_parallel(k, out, moe, shard, cp, tp)
     out.set("tp.loss_parallel", not p("disable_loss_parallel", False))
     reshard = p("fsdp_reshard_after_forward", "default")
     out.set("fsdp.reshard_after_forward", {"always": True, "never": False}.get(reshard, pp == 1))
@@ -336,10 +344,24 @@ def _activation_checkpoint(k: Keys, out: Imported) -> None:
     elif mode == "selective" and option.isdigit():
         out.set("activation_checkpoint.mode", "selective")
         out.set("activation_checkpoint.selective_every", int(option))
-    else:
+    elif mode == "selective" and option == "op" and out.values.get("mesh.ep", 1) > 1:
         out.set("activation_checkpoint.mode", "full")
-        what = "op-level selective AC" if mode == "selective" else f"memory_budget {budget}"
         out.notes.append(
-            f"activation_checkpoint {mode}/{option}: {what} approximated by full AC (more recompute, "
-            "less memory; same math)"
+            "activation_checkpoint selective/op with expert parallel: full AC instead (meshforge refuses "
+            "per-op AC with ep on torch 2.13, docs/DESIGN.md; more recompute, same math)"
         )
+    elif mode == "selective" and option == "op":
+        out.set("activation_checkpoint.mode", "op")
+        out.notes.append(
+            "activation_checkpoint selective/op: meshforge's per-op AC, TorchTitan's policy (keep the listed "
+            "ops' outputs but every second matmul's); its op list is activation_checkpoint.op_save's default"
+        )
+    elif mode == "memory_budget" and out.values.get("compile.enabled"):
+        out.set("activation_checkpoint.mode", "memory_budget")
+        out.set("activation_checkpoint.memory_budget", float(budget))
+    elif mode == "memory_budget":
+        out.refuse(
+            "activation_checkpoint.mode", mode, "TorchTitan needs compile.enable for a memory budget too"
+        )
+    else:
+        out.refuse("activation_checkpoint.selective_ac_option", option, "an int (every Nth block) or 'op'")
