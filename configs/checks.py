@@ -191,14 +191,6 @@ def check_backend(r: Recipe) -> list[Problem]:
                 f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch",
             )
         )
-    if r.model.name == "qwen3_moe":
-        problems.append(
-            Problem(
-                "model.name",
-                r.model.name,
-                f"{why} of dense models; mixture-of-experts training is torch-only for now: backend=torch",
-            )
-        )
     if r.mesh.cp > 1:
         problems.append(
             Problem(

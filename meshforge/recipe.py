@@ -6,7 +6,6 @@ Every problem is reported at once (field, value, fix); -1 fields come back resol
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,8 +14,10 @@ from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
+from meshforge.models.moe import has_experts
 from meshforge.parallelisms.ac import unknown_ops
 from meshforge.parallelisms.cp import ATTENTION, shape_problems
+from meshforge.parallelisms.ep import check_ep
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
 
@@ -220,40 +221,47 @@ def check_combinations(r: Recipe, dims: ParallelDims) -> list[Problem]:
     return problems
 
 
-def has_experts(r: Recipe) -> bool:
-    """The recipe's model has experts (sweeps and estimates then cross every mesh with ep)."""
-    spec = MODELS.get(r.model.name)
-    return spec is not None and "num_experts" in {f.name for f in dataclasses.fields(spec.args_type)}
+def experts_of(r: Recipe) -> int:
+    """The experts per sparse layer of the recipe's model (0: a dense model, or one not resolved):
+    sweeps and estimates cross every mesh with the ep degrees they allow."""
+    try:
+        args = args_from_config(r.model)
+    except (KeyError, UnsupportedConfig, FileNotFoundError, IncompatibleWeights):
+        return 0
+    return args.num_experts if has_experts(args) else 0
 
 
 def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
-    """Expert parallel borrows dp_shard x cp's ranks and needs experts; MoE is dropless."""
-    problems = []
-    if r.model.capacity_factor is not None:
+    """Expert parallel's rules (parallelisms/ep.py); MoE is dropless, torch-only, and a balancing
+    setting the chosen balancing does not read is refused."""
+    m, problems = r.model, check_ep(dims, args, r.activation_checkpoint.mode) if args is not None else []
+    if m.capacity_factor is not None:
         problems.append(
             Problem(
                 "model.capacity_factor",
-                r.model.capacity_factor,
+                m.capacity_factor,
                 "meshforge's MoE is dropless (every token reaches its top-k experts, none is dropped at "
                 "a capacity); remove it",
             )
         )
-    if dims.ep_enabled and r.activation_checkpoint.mode == "op":
+    if args is None or not has_experts(args):
+        return problems
+    if r.backend == "jax":
         problems.append(
-            Problem(
-                "activation_checkpoint.mode",
-                "op",
-                "per-op AC with expert parallel fails on torch 2.13 (the experts' own FSDP group gathers "
-                "again in the recompute, so the recompute runs other ops than the forward): use "
-                "mode=full or selective, or mesh.ep=1",
-            )
+            Problem("backend", "jax", "mixture-of-experts training is torch-only for now: backend=torch")
         )
-    if dims.ep_enabled and dims.ep_problem:
-        problems.append(Problem("mesh.ep", dims.ep, dims.ep_problem))
-    if dims.ep_enabled and args is not None and not hasattr(args, "num_experts"):
+    unread = {
+        "aux_free": ("router_aux_loss_coef", "has no loss term"),
+        "aux_loss": ("bias_update_rate", "moves no bias"),
+    }
+    name, why = unread.get(args.load_balance, (None, ""))
+    if name is not None and getattr(m, name) is not None:
         problems.append(
             Problem(
-                "mesh.ep", dims.ep, f"{r.model.name} has no experts: set mesh.ep=1 or model.name=qwen3_moe"
+                f"model.{name}",
+                getattr(m, name),
+                f"is not read: load_balance = {args.load_balance!r} {why}; remove it or change "
+                "model.load_balance",
             )
         )
     return problems

@@ -6,8 +6,9 @@ Dropless: every token reaches each of its top-k experts (no capacity factor). Ex
 (parallelisms/ep.py) sets `MoE.dispatcher`, which sends each token to the rank that holds its
 expert and back; without it every expert is local.
 
-The load-balancing loss is transformers' (Switch Transformer's): E * sum_e f_e P_e, f_e the share
-of top-k choices that picked expert e, P_e the mean router probability of e. transformers pools f
+The load-balancing loss is transformers' (Switch Transformer's): E * sum_e f_e P_e, f_e the
+expert's picks over the tokens (summing to k over the experts), P_e its mean router probability:
+a perfectly balanced router gives k (2.0 at top-2), so `moe/aux_loss` is read against k. transformers pools f
 and P over a forward's whole batch (the micro-batch of one device) and over every layer at once,
 so its value depends on how a batch is split over devices and microbatches. Here it is taken per
 sequence and per MoE layer and averaged over both: a property of the weights and the data, equal on
@@ -37,11 +38,11 @@ _counted = [True]  # False while a forward is not a step's (a pipeline stage's s
 def uncounted():
     """Forwards that are not a training step's (torch's pipeline stages run one on their first step
     to learn shapes): no statistics kept, no aux gradient attached."""
-    _counted[0] = False
+    before, _counted[0] = _counted[0], False
     try:
         yield
     finally:
-        _counted[0] = True
+        _counted[0] = before
 
 
 def _step_forward() -> bool:
@@ -156,14 +157,16 @@ class MoE(nn.Module):
         self.router = Router(args.dim, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
         self.experts = GroupedExperts(args.dim, args.moe_dim, args.num_experts, args.grouped_mm)
         self.aux_free = args.load_balance == "aux_free"
-        # DeepSeek-V3's selection bias (aux_free only; moved by `update_expert_bias`, checkpointed)
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=self.aux_free)
+        # DeepSeek-V3's selection bias (read under aux_free only; moved by `update_expert_bias`). Saved
+        # whatever the balancing, so a checkpoint loads under either and a trained bias is never dropped
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts))
         self.aux_grad_scale = 0.0  # the aux loss's weight in this step's loss (set by the step)
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.load: torch.Tensor | None = None  # (E,) tokens routed to each expert this step
         self.aux_sum: torch.Tensor | None = None  # sum over this step's sequences of the aux loss
+        self.experts.rows = 0  # rows the experts computed (on whichever rank: ep moves them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
@@ -214,13 +217,22 @@ def is_moe_layer(args, layer_id: int) -> bool:
     )
 
 
+def has_experts(args) -> bool:
+    """The model of `args` (any family's) has sparse layers: the one test of "is this a MoE"."""
+    return getattr(args, "num_experts", 0) > 0 and args.n_moe_layers > 0
+
+
+def expert_params(args) -> int:
+    """Every expert weight of the model (0 for a dense one): what expert parallel splits."""
+    return args.n_moe_layers * args.num_experts * 3 * args.dim * args.moe_dim if has_experts(args) else 0
+
+
 def unpicked_params(args) -> int:
     """Expert weights a token does not compute with: the E - k experts its router did not pick, in
     every sparse layer (0 for a dense model). Active parameters = all of them minus these."""
-    if not getattr(args, "num_experts", 0):
+    if not has_experts(args):
         return 0
-    per_expert = 3 * args.dim * args.moe_dim
-    return args.n_moe_layers * (args.num_experts - args.num_experts_per_tok) * per_expert
+    return expert_params(args) // args.num_experts * (args.num_experts - args.num_experts_per_tok)
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:

@@ -3,8 +3,8 @@ twin, and the rules its args obey on a mesh (expert parallel included)."""
 
 from __future__ import annotations
 
-from meshforge.core.errors import Problem, nearest
-from meshforge.core.topology import ParallelDims, divisors
+from meshforge.core.errors import Problem
+from meshforge.core.topology import ParallelDims
 
 from . import qwen3_moe_hf
 from .moe import LOAD_BALANCE, unpicked_params
@@ -80,8 +80,8 @@ def active_params(a: Qwen3MoeArgs) -> int:
 
 
 def check(a: Qwen3MoeArgs, dims: ParallelDims) -> list[Problem]:
-    """Qwen3's rules, the router's (top-k within the experts, a known balancing), and expert
-    parallel's (ep splits the experts evenly)."""
+    """Qwen3's rules and the router's (top-k within the experts, a known balancing, its weights'
+    signs); expert parallel's are parallelisms/ep.py's (`check_ep`)."""
     problems = check_qwen3(a, dims)
     if not 1 <= a.num_experts_per_tok <= a.num_experts:
         problems.append(
@@ -102,16 +102,10 @@ def check(a: Qwen3MoeArgs, dims: ParallelDims) -> list[Problem]:
                 "model.mlp_only_layers", list(a.mlp_only_layers), f"layer ids must be in 0..{a.n_layers - 1}"
             )
         )
-    if dims.ep > 1 and a.num_experts % dims.ep:
-        valid = [d for d in divisors(a.num_experts) if dims.fsdp_shard % d == 0]
-        problems.append(
-            Problem(
-                "mesh.ep",
-                dims.ep,
-                f"must divide num_experts={a.num_experts} (each ep rank holds whole experts); "
-                f"valid ep: {nearest(dims.ep, valid)}",
-            )
-        )
+    if a.router_aux_loss_coef < 0:
+        problems.append(Problem("model.router_aux_loss_coef", a.router_aux_loss_coef, "must be >= 0"))
+    if a.bias_update_rate < 0:
+        problems.append(Problem("model.bias_update_rate", a.bias_update_rate, "must be >= 0"))
     return problems
 
 

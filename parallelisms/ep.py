@@ -13,6 +13,8 @@ back the same way. Dropless: every row sent is computed and returned.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,7 +23,9 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from meshforge.models.moe import GroupedExperts, balanced, moe_layers
+from meshforge.core.errors import Problem
+from meshforge.core.topology import ParallelDims, divisors
+from meshforge.models.moe import GroupedExperts, balanced, has_experts, moe_layers
 
 
 class ExpertParallel:
@@ -58,6 +62,41 @@ def expert_major_order(by_source: torch.Tensor) -> torch.Tensor:
         torch.cumsum(sizes_t, 0) - sizes_t, sizes_t
     )
     return first_of_block + offset_in_block
+
+
+def check_ep(dims: ParallelDims, args, ac_mode: str) -> list[Problem]:
+    """What expert parallel needs: a model with sparse layers, an ep that divides both the dp_shard
+    x cp ranks it borrows and the experts it splits whole, and no per-op AC (torch 2.13)."""
+    if not dims.ep_enabled:
+        return []
+    if not has_experts(args):
+        return [
+            Problem(
+                "mesh.ep", dims.ep, "the model has no sparse layer to split: set mesh.ep=1 (or a MoE model)"
+            )
+        ]
+    valid = divisors(math.gcd(dims.fsdp_shard, args.num_experts))
+    problems = []
+    if dims.ep not in valid:
+        problems.append(
+            Problem(
+                "mesh.ep",
+                dims.ep,
+                f"borrows its ranks from dp_shard x cp = {dims.fsdp_shard} and splits num_experts = "
+                f"{args.num_experts} whole: it must divide both; valid ep: {', '.join(map(str, valid))}",
+            )
+        )
+    if ac_mode == "op":
+        problems.append(
+            Problem(
+                "activation_checkpoint.mode",
+                "op",
+                "per-op AC with expert parallel fails on torch 2.13 (the experts' own FSDP group gathers "
+                "again in the recompute, so the recompute runs other ops than the forward): use "
+                "mode=full or selective, or mesh.ep=1",
+            )
+        )
+    return problems
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:

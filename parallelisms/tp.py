@@ -22,13 +22,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: TPConfig, spec: ModelSp
         model.output.weight = model.tok_embeddings.weight
     plan = spec.tp_block_plan(cfg.sequence_parallel)
     for block in model.layers.values():
-        # a family with two kinds of block (MoE's sparse and dense) plans each what it has
-        parallelize_module(block, tp_mesh, {fqn: style for fqn, style in plan.items() if _has(block, fqn)})
+        block_plan = {fqn: style for fqn, style in plan.items() if _applies(block, fqn)}
+        parallelize_module(block, tp_mesh, block_plan)
 
 
-def _has(module: nn.Module, fqn: str) -> bool:
-    try:
-        module.get_submodule(fqn)
-        return True
-    except AttributeError:
-        return False
+# a block holds one of these (a MoE family's sparse and dense blocks): its plan names both. Any other
+# entry is planned on every block, so a misspelt one still fails as torch fails it
+FEED_FORWARDS = ("feed_forward", "moe")
+
+
+def _applies(block: nn.Module, fqn: str) -> bool:
+    head = fqn.split(".")[0]
+    return head not in FEED_FORWARDS or hasattr(block, head)

@@ -143,3 +143,26 @@ def test_context_parallel_benchmark_writes_its_results(tmp_path):
     # Llama 3 8B at 128K: Ulysses moves fewer bytes than the K/V gather only past cp = 1 + H/KVH = 5
     assert at[(4, "alltoall")] > at[(4, "allgather")] and at[(8, "alltoall")] < at[(8, "allgather")]
     assert "| 128 | cp2-alltoall |" in (tmp_path / "context_parallel.md").read_text()
+
+
+@pytest.mark.slow
+def test_moe_benchmark_writes_its_results(tmp_path):
+    small = ["model.dim=64", "model.moe_dim=48", "model.num_experts=8", "train.seq_len=64"]
+    args = ["--points", "ep1-grouped", "ep2-looped", "--steps", "5", "--repeats", "1", *small]
+    proc = run_benchmark("moe.py", [*args, "--out", str(tmp_path)], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "moe.json").read_text())
+    one, ep2 = result["rows"]
+    assert (one["ep"], one["grouped_mm"], ep2["ep"], ep2["grouped_mm"]) == (1, True, 2, False)
+    assert one["a2a_s"] == one["a2a_share"] == 0  # no dispatcher without ep
+    assert ep2["a2a_s"] > 0 and 0 < ep2["a2a_share_min_rank"] <= ep2["a2a_share"] <= 1
+    for r in (one, ep2):
+        assert r["step_s"] > 0 and r["tokens_per_sec"] > 0 and r["peak_bytes"] > 0 and r["estimate_bytes"] > 0
+        assert r["estimate_error"] == r["estimate_bytes"] / r["peak_bytes"] - 1
+        (launch,) = r["launches"]
+        assert launch["steady_steps"] == [4, 5]
+        ranks = launch["a2a_per_rank"]
+        assert sorted(x["rank"] for x in ranks) == [0, 1, 2, 3] and all(0 <= x["share"] <= 1 for x in ranks)
+    # a step of an ep rank, per MoE layer (3): the counts, the tokens there and back, and both in backward
+    assert {x["calls"] for x in ep2["launches"][0]["a2a_per_rank"]} == {15}
+    assert "| ep2-looped | 2 | looped |" in (tmp_path / "moe.md").read_text()

@@ -14,7 +14,7 @@ from meshforge.configs import RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.models import get_model_spec
 from meshforge.models.moe import MoE, update_expert_bias
-from meshforge.parallelisms.ep import expert_major_order
+from meshforge.parallelisms.ep import check_ep, expert_major_order
 from meshforge.recipe import load_recipe
 
 SPEC = get_model_spec("qwen3_moe")
@@ -127,12 +127,16 @@ def test_received_tokens_are_regrouped_expert_major():
 def test_ep_borrows_from_dp_shard_x_cp_and_is_no_factor_of_the_world():
     dims = ParallelDims(dp_shard=4, tp=2, ep=2)
     assert dims.world_size == 8 and dims.label() == "dp4-ep2-tp2" and dims.degrees["ep"] == 2
-    assert ParallelDims(dp_shard=2, cp=2, ep=4).ep_problem is None
-    assert "valid ep: 1, 2" in ParallelDims(dp_shard=2, tp=2, ep=4).ep_problem
+    assert "ep=2" in dims.spelled() and "ep=" not in ParallelDims(dp_shard=4).spelled()  # only in use
     assert ParallelDims.from_degrees({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}).ep == 1
-    dense, sparse = ParallelDims.all_of_world(8), ParallelDims.all_of_world(8, ep=True)
+    assert check_ep(ParallelDims(dp_shard=2, cp=2, ep=4), ARGS, "full") == []
+    (problem,) = check_ep(
+        ParallelDims(dp_shard=4, cp=2, ep=3), dataclasses.replace(ARGS, num_experts=12), "full"
+    )
+    assert problem.field == "mesh.ep" and "valid ep: 1, 2, 4" in problem.message  # gcd(8, 12) = 4
+    dense, sparse = ParallelDims.all_of_world(8), ParallelDims.all_of_world(8, experts=12)
     assert all(d.ep == 1 for d in dense)
-    assert len(sparse) == sum(len([e for e in range(1, 9) if d.fsdp_shard % e == 0]) for d in dense)
+    assert len(sparse) == sum(len([e for e in (1, 2, 4) if d.fsdp_shard % e == 0]) for d in dense)
 
 
 BASE = [str(RECIPES / "debug_cpu.toml"), "model.name=qwen3_moe", "mesh.pp=1"]
@@ -142,7 +146,32 @@ BASE = [str(RECIPES / "debug_cpu.toml"), "model.name=qwen3_moe", "mesh.pp=1"]
     ("overrides", "field", "words"),
     [
         (["mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=4"], "mesh.ep", "valid ep: 1, 2"),
-        (["mesh.dp_shard=4", "mesh.tp=1", "mesh.ep=4", "model.num_experts=6"], "mesh.ep", "num_experts=6"),
+        (["mesh.dp_shard=4", "mesh.tp=1", "mesh.ep=4", "model.num_experts=6"], "mesh.ep", "num_experts = 6"),
+        (
+            ["mesh.dp_shard=4", "mesh.tp=1", "mesh.ep=2", "model.mlp_only_layers=[0,1,2,3]"],
+            "mesh.ep",
+            "no sparse",
+        ),
+        (
+            ["mesh.dp_shard=2", "mesh.tp=2", "model.router_aux_loss_coef=-0.1"],
+            "model.router_aux_loss_coef",
+            ">= 0",
+        ),
+        (
+            [
+                "mesh.dp_shard=2",
+                "mesh.tp=2",
+                "model.load_balance=aux_free",
+                "model.router_aux_loss_coef=0.01",
+            ],
+            "model.router_aux_loss_coef",
+            "not read",
+        ),
+        (
+            ["mesh.dp_shard=2", "mesh.tp=2", "model.bias_update_rate=0.01"],
+            "model.bias_update_rate",
+            "not read",
+        ),
         (
             ["mesh.dp_shard=2", "mesh.tp=2", "model.num_experts_per_tok=9"],
             "model.num_experts_per_tok",
@@ -167,7 +196,7 @@ def test_moe_recipes_that_would_change_the_math_are_refused(overrides, field, wo
 
 
 def test_ep_on_a_dense_model_and_moe_under_jax_are_refused():
-    with pytest.raises(RecipeError, match="llama3 has no experts"):
+    with pytest.raises(RecipeError, match="no sparse layer"):
         load_recipe(BASE[0], ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=1", "mesh.ep=2"], world_size=4)
     with pytest.raises(RecipeError, match="torch-only"):
         load_recipe(BASE[0], [*BASE[1:], "backend=jax", "mesh.dp_shard=4", "mesh.tp=1"], world_size=4)

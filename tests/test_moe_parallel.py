@@ -38,6 +38,17 @@ MOE_CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "ep2_looped_experts": (["mesh.dp_shard=2", "mesh.ep=2", "model.grouped_mm=false"], [], 1e-5),
     "ep2_aux_free": (["mesh.dp_shard=2", "mesh.ep=2", *AUX_FREE], AUX_FREE, 1e-5),
     "ep2_bf16": (["mesh.dp_shard=2", "mesh.ep=2", "fsdp.param_dtype=bfloat16"], [], 1e-2),
+    # against one process in fp16 (autocast there, FSDP's mixed precision here: 1e-3)
+    "ep2_fp16": (
+        ["mesh.dp_shard=2", "mesh.ep=2", "fsdp.param_dtype=float16"],
+        ["fsdp.param_dtype=float16"],
+        1e-3,
+    ),
+    "tp2_no_ep": (["mesh.tp=2"], [], 1e-5),  # the MoE whole on both tp ranks
+    "cp2_no_ep": (["mesh.cp=2"], [], 1e-5),  # the aux loss's counts summed over cp
+    "ep2_accum2": (["mesh.dp_shard=2", "mesh.ep=2", "train.grad_accum_steps=2"], [], 1e-5),
+    "ep2_ac_selective": (["mesh.dp_shard=2", "mesh.ep=2", "activation_checkpoint.mode=selective"], [], 1e-5),
+    "ep2_eval": (["mesh.dp_shard=2", "mesh.ep=2", "eval.every=5"], ["eval.every=5"], 1e-5),
 }
 
 
@@ -88,9 +99,11 @@ def test_moe_matches_one_process(name, out, baselines):
     overrides, base_overrides, tol = MOE_CONFIGS[name]
     base, rows = baselines(base_overrides), _launch(out, name, overrides)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm", "moe/aux_loss"):
-        diff = max(abs(a[key] - b[key]) for a, b in zip(rows, base))
+    for key in ("loss", "grad_norm", "moe/aux_loss", "eval/loss"):
+        pairs = [(a[key], b[key]) for a, b in zip(rows, base) if key in a or key in b]
+        diff = max((abs(x - y) for x, y in pairs), default=0.0)
         assert diff <= tol, f"{name}: max |d {key}| {diff:.2e}"
+    assert ("eval/loss" in rows[4]) == ("eval.every=5" in overrides)  # compared where evaluated
     # the sparse layers (1..3; layer 0 is dense) report loads, and route the same tokens
     assert sorted(_loads(rows[0])) == sorted(
         f"moe/layer{i}/{k}" for i in (1, 2, 3) for k in ("max_load", "mean_load", "imbalance")
@@ -120,6 +133,9 @@ def test_an_ep2_checkpoint_resumes_on_ep1_and_ep4(tmp_path):
             for key in ("loss", "grad_norm", "moe/aux_loss"):
                 assert abs(r[key] - ref[r["step"]][key]) <= 1e-5, (name, r["step"], key)
             assert _loads(r) == _loads(ref[r["step"]]), (name, r["step"])
+    # a trained selection bias under the aux loss would route without it: refused, not dropped
+    proc = run_recipe(_args(tmp_path, "aux", f"checkpoint.load={step5}"), cwd=tmp_path)
+    assert proc.returncode != 0 and "set model.load_balance=aux_free" in proc.stderr + proc.stdout
 
 
 def test_moe_metrics_reach_tensorboard_and_wandb_files(tmp_path):

@@ -44,10 +44,12 @@ def test_every_mesh_of_a_world_is_enumerated():
         (2, 1, 1, 1, 4, 1),
     ]
     assert {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 1} in shapes
-    # a model with experts crosses each shape with every ep its dp_shard x cp can lend
-    with_ep = mesh_shapes(8, experts=True)
+    # a model with experts crosses each shape with every ep that divides its dp_shard x cp (whose ranks
+    # ep borrows) and the experts (split whole): with 4 experts, ep 1, 2 or 4
+    with_ep = mesh_shapes(8, experts=4)
     assert {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 4} in with_ep
-    assert len(with_ep) == sum(sum(s["dp_shard"] * s["cp"] % e == 0 for e in (1, 2, 4, 8)) for s in shapes)
+    assert {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "ep": 8} not in with_ep
+    assert len(with_ep) == sum(sum(s["dp_shard"] * s["cp"] % e == 0 for e in (1, 2, 4)) for s in shapes)
     assert ParallelDims.from_degrees({**shapes[1], "label": "x"}).label() == "tp2-pp4"
     # a record written before cp was a dimension (run.json's "mesh", a sweep row) reads as cp 1
     before_cp = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2}

@@ -79,17 +79,18 @@ class ParallelDims:
         )
 
     @classmethod
-    def all_of_world(cls, world: int, ep: bool = False) -> list[ParallelDims]:
+    def all_of_world(cls, world: int, experts: int = 0) -> list[ParallelDims]:
         """Every shape whose product is `world`, in field order (the last mesh dim takes the rest);
-        with `ep` (a model with experts) each shape once per ep that divides its dp_shard x cp."""
+        for a model with `experts` per sparse layer, each shape once per ep it can take (dividing
+        both its dp_shard x cp, whose ranks ep borrows, and the experts, which ep splits whole)."""
         *free, last = (f.name for f in fields(cls) if f.name in MESH_DIMS)
         shapes: list[dict[str, int]] = [{}]
         for name in free:
             shapes = [{**s, name: d} for s in shapes for d in divisors(world // math.prod(s.values()))]
         dims = [cls(**s, **{last: world // math.prod(s.values())}) for s in shapes]
-        if not ep:
+        if not experts:
             return dims
-        return [replace(d, ep=e) for d in dims for e in divisors(d.fsdp_shard)]
+        return [replace(d, ep=e) for d in dims for e in divisors(math.gcd(d.fsdp_shard, experts))]
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -137,17 +138,6 @@ class ParallelDims:
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
-
-    @property
-    def ep_problem(self) -> str | None:
-        """Why ep cannot borrow its ranks here (None when it can): it must divide dp_shard x cp."""
-        if self.fsdp_shard % self.ep == 0:
-            return None
-        valid = [d for d in divisors(self.fsdp_shard)]
-        return (
-            f"ep borrows its ranks from dp_shard x cp = {self.fsdp_shard} and must divide it; valid ep: "
-            f"{', '.join(map(str, valid))}"
-        )
 
     @property
     def cp_enabled(self) -> bool:

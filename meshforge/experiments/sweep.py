@@ -31,7 +31,7 @@ from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
-from meshforge.recipe import has_experts, load_recipe
+from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.loggers import wandb_settings
 from meshforge.simulate.estimate import (
@@ -44,10 +44,10 @@ from meshforge.simulate.estimate import (
 )
 
 
-def mesh_shapes(world: int, experts: bool = False) -> list[dict[str, int]]:
-    """Every mesh of `world` ranks, as {dim: degree} (ParallelDims.all_of_world); with `experts` (a
-    MoE model) once per expert-parallel degree each can borrow."""
-    return [dims.degrees for dims in ParallelDims.all_of_world(world, ep=experts)]
+def mesh_shapes(world: int, experts: int = 0) -> list[dict[str, int]]:
+    """Every mesh of `world` ranks, as {dim: degree} (ParallelDims.all_of_world); for a MoE model
+    with `experts` per sparse layer, once per expert-parallel degree each can take."""
+    return [dims.degrees for dims in ParallelDims.all_of_world(world, experts)]
 
 
 def point_label(mesh: dict[str, int], policy: dict[str, str]) -> str:
@@ -66,7 +66,7 @@ class Point:
         return [f"mesh.{k}={v}" for k, v in self.mesh.items()] + [f"{k}={v}" for k, v in self.policy.items()]
 
 
-def sweep_points(world: int, axes: dict[str, list[str]], experts: bool = False) -> list[Point]:
+def sweep_points(world: int, axes: dict[str, list[str]], experts: int = 0) -> list[Point]:
     names = list(axes)
     points = []
     for mesh in mesh_shapes(world, experts):
@@ -115,7 +115,7 @@ def run_sweep(
     record = sweep_dir / "sweep.jsonl"
     done = {} if plan_only else read_rows(record)
     group = base.logging.wandb_group or f"{stem}/{sweep_dir.name}"
-    experts = has_experts(base)
+    experts = experts_of(base)
     points = select_points(sweep_points(world, sw.axes, experts), sw.only, world, experts)
     meshes = len(mesh_shapes(world, experts))
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
@@ -252,7 +252,7 @@ def choose_launcher(launcher: str, world: int, device: str) -> str:
     return "slurm" if gpus and world > gpus else "local"
 
 
-def select_points(points: list[Point], only: list[str], world: int, experts: bool = False) -> list[Point]:
+def select_points(points: list[Point], only: list[str], world: int, experts: int = 0) -> list[Point]:
     """The points whose layout is in `sweep.only` (all when empty); an unknown layout is refused."""
     if not only:
         return points

@@ -41,7 +41,7 @@ from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule, stage_ids_for_rank, stage_layout
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
-from meshforge.recipe import has_experts, load_recipe
+from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
@@ -274,7 +274,7 @@ def estimate_rows(
     """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
     rows, pending, meshes = [], [], [None]
     if all_meshes:
-        meshes = ParallelDims.all_of_world(world, ep=has_experts(load_config(recipe_path, overrides)[0]))
+        meshes = ParallelDims.all_of_world(world, experts_of(load_config(recipe_path, overrides)[0]))
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(trace_pool()) if traced else None
         for mesh in meshes:

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
+from meshforge.models.moe import has_experts
 from meshforge.parallelisms.fsdp import DTYPES
 
 
-def state_bytes(n_params: int, dims: ParallelDims) -> float:
+def state_bytes(n_params: int, dims: ParallelDims, experts: int = 0) -> float:
     """fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter), sharded over
-    dp_shard x cp x tp x pp (FSDP shards over dp_shard x cp); replicas (dp_replicate) hold full copies."""
-    return 16 * n_params / (dims.fsdp_shard * dims.tp * dims.pp)
+    dp_shard x cp x tp x pp (FSDP shards over dp_shard x cp); replicas (dp_replicate) hold full copies.
+    `experts` of them (a MoE's expert weights) are not split over tp: every tp rank holds its
+    dp_shard x cp (ep x FSDP) share of them whole."""
+    dense = n_params - experts
+    return 16 * (dense / (dims.fsdp_shard * dims.tp * dims.pp) + experts / (dims.fsdp_shard * dims.pp))
 
 
-def placed_state_bytes(n_params: int, dims: ParallelDims, cpu_offload: bool) -> tuple[float, float]:
+def placed_state_bytes(
+    n_params: int, dims: ParallelDims, cpu_offload: bool, experts: int = 0
+) -> tuple[float, float]:
     """(on the device, on the host) of `state_bytes`: FSDP's CPU offload keeps the sharded
     parameters, gradients and optimizer state on the host, so the device holds none of them
     (only the gathered compute copies, counted with activations as without offload)."""
-    states = state_bytes(n_params, dims)
+    states = state_bytes(n_params, dims, experts)
     return (0.0, states) if cpu_offload else (states, 0.0)
 
 
@@ -33,12 +39,17 @@ def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
     tokens = r.train.micro_batch_size * r.train.seq_len // dims.cp
     bytes_per_value = DTYPES[r.fsdp.param_dtype].itemsize
     per_layer = 17 * bytes_per_value * tokens * args.dim / dims.tp
+    if has_experts(args):  # a sparse layer's MoE, on every tp rank whole: the token copies sent to
+        # experts and back (2 dim each), their three hidden projections, the fp32 router probabilities
+        copies = tokens * args.num_experts_per_tok
+        moe = bytes_per_value * copies * (2 * args.dim + 3 * args.moe_dim) + 4 * tokens * args.num_experts
+        per_layer += moe * args.n_moe_layers / args.n_layers
     layers = args.n_layers / dims.pp
     if r.activation_checkpoint.mode == "full":
         stored = layers * tokens * args.dim * bytes_per_value + per_layer  # block inputs + one recompute
     elif r.activation_checkpoint.mode == "selective":
         kept = layers * (1 - 1 / r.activation_checkpoint.selective_every)
         stored = kept * per_layer + (layers - kept) * tokens * args.dim * bytes_per_value + per_layer
-    else:  # none, and per-op AC counted as none: an upper bound (the traced estimate sees what it keeps)
-        stored = layers * per_layer
+    else:  # none, per-op AC and a memory budget counted as none: an upper bound (the traced estimate
+        stored = layers * per_layer  # sees what per-op AC keeps)
     return stored + 12 * tokens * args.vocab_size / dims.tp

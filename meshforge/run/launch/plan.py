@@ -12,7 +12,7 @@ from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.models.moe import unpicked_params
+from meshforge.models.moe import expert_params, has_experts, unpicked_params
 from meshforge.parallelisms.pp import stage_layout
 from meshforge.run.launch.analytic import activation_bytes, placed_state_bytes
 from meshforge.run.observe.memory import host_memory_bytes
@@ -59,9 +59,13 @@ class Plan:
             (
                 "model states/rank",
                 f"{(self.state_bytes_per_rank + self.host_state_bytes_per_rank) / GiB:.2f} GiB (fp32 "
-                f"params+grads+AdamW, sharded over dp_shard x cp x tp x pp = {d.fsdp_shard * d.tp * d.pp})"
-                + ", on the host (fsdp.cpu_offload)"
-                * bool(self.host_state_bytes_per_rank),
+                f"params+grads+AdamW, sharded over dp_shard x cp x tp x pp = {d.fsdp_shard * d.tp * d.pp}"
+                + (
+                    "; experts over dp_shard x cp x pp: tp ranks hold them whole)"
+                    if expert_params(self.args)
+                    else ")"
+                )
+                + ", on the host (fsdp.cpu_offload)" * bool(self.host_state_bytes_per_rank),
             ),
             (
                 "activations/rank",
@@ -92,7 +96,7 @@ def describe_shape(a) -> str:
     if a.rope_scaling_factor is not None:
         rope += f" x{a.rope_scaling_factor:g} (llama3, from {a.rope_original_max_seq_len})"
     ffn = f"FFN {a.ffn_hidden_dim}"
-    if getattr(a, "num_experts", 0):
+    if has_experts(a):
         dense = a.n_layers - a.n_moe_layers
         dense_ffn = f"dense FFN {a.ffn_hidden_dim} in {dense}" if dense else "no dense FFN"
         ffn = (
@@ -112,7 +116,7 @@ def make_plan(r: Recipe) -> Plan:
         n_params = count_params(get_model_spec(r.model.name).build(args))
     dims = ParallelDims.from_config(r.mesh)
     layout = stage_layout(args.n_layers, dims.pp * r.pp.stages_per_rank, r.pp) if dims.pp_enabled else None
-    device_states, host_states = placed_state_bytes(n_params, dims, r.fsdp.cpu_offload)
+    device_states, host_states = placed_state_bytes(n_params, dims, r.fsdp.cpu_offload, expert_params(args))
     return Plan(
         n_params=n_params,
         args=args,

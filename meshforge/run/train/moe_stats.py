@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshforge.models.moe import MoE, moe_layers, update_expert_bias
+from meshforge.core.errors import IncompatibleWeights
+from meshforge.models.moe import MoE, has_experts, moe_layers, update_expert_bias
 
 
 class MoEStats:
@@ -22,7 +23,7 @@ class MoEStats:
     def __init__(self, parts: list[nn.Module], args, seq_len: int, global_batch: int):
         self.layers: dict[int, MoE] = {i: m for part in parts for i, m in moe_layers(part).items()}
         self.args, self.n_layers = args, args.n_layers
-        self.n_moe = args.n_moe_layers if hasattr(args, "n_moe_layers") else 0
+        self.n_moe = args.n_moe_layers if has_experts(args) else 0
         self.sequences, self.seq_len = global_batch, seq_len
 
     @property
@@ -38,8 +39,19 @@ class MoEStats:
         weight = coef * loss_scale / (self.sequences * self.n_moe)
         for moe in self.layers.values():
             moe.reset_stats()
-            moe.experts.rows = 0
             moe.aux_grad_scale = weight
+
+    def check_restored(self, source: str) -> None:
+        """A checkpoint whose selection bias was trained (aux-free balancing) cannot resume under the
+        aux loss, which would route without it: refused, not dropped."""
+        if self.args.load_balance == "aux_free":
+            return
+        for i, moe in self.layers.items():
+            if bool(moe.expert_bias.any()):
+                raise IncompatibleWeights(
+                    f"{source}: layers.{i}.moe.expert_bias holds aux-free balancing's trained bias, which "
+                    "model.load_balance = 'aux_loss' would route without: set model.load_balance=aux_free"
+                )
 
     def local(self, device: torch.device) -> torch.Tensor:
         """This rank's statistics, (n_layers, E + 2): loads, aux-loss sum, rows its experts computed."""

@@ -123,6 +123,8 @@ class Trainer(TrainingRun):
             self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler
         )
         self.start_step = self.resumed["step"] if self.resumed else 0
+        if self.resumed and self.resumed["path"]:
+            self.moe.check_restored(self.resumed["path"])
         self.throughput = Throughput(
             flops_per_token(self.model_args, r.train.seq_len, self.n_params),
             self.env.world_size,
