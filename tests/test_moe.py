@@ -200,3 +200,18 @@ def test_ep_on_a_dense_model_and_moe_under_jax_are_refused():
         load_recipe(BASE[0], ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=1", "mesh.ep=2"], world_size=4)
     with pytest.raises(RecipeError, match="torch-only"):
         load_recipe(BASE[0], [*BASE[1:], "backend=jax", "mesh.dp_shard=4", "mesh.tp=1"], world_size=4)
+
+
+def test_a_resume_checks_the_selection_bias_only_of_a_model_with_experts():
+    """A dense model resumes with nothing to check; a MoE trained aux-free is refused under aux_loss."""
+    from meshforge.core.errors import IncompatibleWeights
+    from meshforge.run.train.moe_stats import MoEStats
+
+    dense_args = get_model_spec("llama3").flavors["debug"]
+    MoEStats([get_model_spec("llama3").build(dense_args)], dense_args, 32, 16).check_restored("ckpt")
+    model = SPEC.build(ARGS)
+    stats = MoEStats([model], ARGS, 32, 16)
+    stats.check_restored("ckpt")  # a zero bias routes as none
+    model.layers["2"].moe.expert_bias[3] = 0.1
+    with pytest.raises(IncompatibleWeights, match="layers.2.moe.expert_bias"):
+        stats.check_restored("ckpt")

@@ -44,7 +44,7 @@ class MoEStats:
     def check_restored(self, source: str) -> None:
         """A checkpoint whose selection bias was trained (aux-free balancing) cannot resume under the
         aux loss, which would route without it: refused, not dropped."""
-        if self.args.load_balance == "aux_free":
+        if not self.enabled or self.args.load_balance == "aux_free":
             return
         for i, moe in self.layers.items():
             if bool(moe.expert_bias.any()):
