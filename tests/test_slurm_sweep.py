@@ -145,7 +145,7 @@ def slurm_sweep(tmp_path_factory):
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_for(lambda: "running" in statuses(sweep_dir), 180, "dp4's job to start")
+    wait_for(lambda: "running" in statuses(sweep_dir), 300, "dp4's job to start")  # after the plan
     first.send_signal(signal.SIGINT)
     out1, err1 = first.communicate(timeout=60)
     rows1 = rows_of(sweep_dir)
