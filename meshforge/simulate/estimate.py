@@ -46,7 +46,7 @@ from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, cross_entropy_sum
-from meshforge.simulate.fake_rank import simulated_rank, trace_pool
+from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank, trace_pool
 
 # A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
 # amount with each further block (its parameters, gradients, moments and saved activations), so
@@ -119,7 +119,11 @@ def _with_stage_blocks(recipe: Recipe, dims: ParallelDims, counts: list[int]) ->
 def trace_rank(recipe: Recipe, rank: int) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc). Run it
     in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
-    with simulated_rank(recipe, rank) as (dims, meshes, pmodel), FakeTensorMode(allow_non_fake_inputs=True):
+    with (
+        simulated_rank(recipe, rank) as (dims, meshes, pmodel),
+        FakeTensorMode(allow_non_fake_inputs=True),
+        isolated_sharding_propagation(),
+    ):
         for part in pmodel.parts:
             to_empty(part, "cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
             part.init_buffers(torch.device("cpu"))

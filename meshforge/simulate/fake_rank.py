@@ -13,7 +13,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import _sharding_prop as sharding_prop
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
@@ -63,3 +66,28 @@ def trace_pool(workers: int | None = None) -> ProcessPoolExecutor:
     ctx.set_forkserver_preload(["meshforge.simulate.estimate", "meshforge.simulate.sharding"])
     workers = workers or max(1, min(4, len(os.sched_getaffinity(0))))
     return ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1)
+
+
+@contextlib.contextmanager
+def isolated_sharding_propagation() -> Iterator[None]:
+    """DTensor's sharding propagation, kept out of a traced step. To learn an op's output shape,
+    DTensor runs the op on fake tensors of the *global* shape; under a trace's FakeTensorMode
+    torch runs that in the trace's own mode, below its MemTracker, so the tracker counted
+    global-shape tensors no rank holds (llm_1b tp8: 10.78 GiB traced where a rank holds ~4.2).
+    Here it runs with the trace's modes set aside (in a fresh fake mode), and its results are
+    cached per op as in an eager step: torch skips its caches when a fake mode is active,
+    for dynamic shapes a trace does not have."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate_aside(self, op_schema):
+        with _disable_current_modes():  # the op then finds no fake mode and makes its own
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_aside
+    tracing = sharding_prop._are_we_tracing
+    sharding_prop._are_we_tracing = lambda: False  # the cached paths
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+        sharding_prop._are_we_tracing = tracing
