@@ -26,34 +26,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import torch
 from rich.console import Console
 from rich.table import Table
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from meshforge.configs import Recipe, RecipeError, load_config
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
-from meshforge.parallelisms import to_empty
-from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
-from meshforge.parallelisms.pp import build_schedule, stage_ids_for_rank, stage_layout
-from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
+from meshforge.parallelisms.pp import stage_ids_for_rank, stage_layout
 from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
-from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories
-from meshforge.run.train.optim import build_optimizer
-from meshforge.run.train.step import StepPolicy, cross_entropy_sum
-from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank, trace_pool
+from meshforge.run.observe.memtrace import CATEGORIES
+from meshforge.simulate.fake_rank import trace_pool
+from meshforge.simulate.trace import trace_rank
 
 # A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
 # amount with each further block (its parameters, gradients, moments and saved activations), so
 # the two traces give the slope and the real depth is extrapolated (checked against full traces
-# in tests/test_memory.py). At least 2 periods: the first differs from the rest (FSDP's prefetch
-# of the next block, the first block's gradient buckets), measured on the debug model.
-MIN_SHALLOW_PERIODS = 2
+# in tests/test_memory.py), at each place of the step on its own (trace.block_locator). At least
+# 4 periods: the first two and the last two blocks differ from the rest (FSDP's prefetch of the
+# next block, the first block's gradient buckets), so each is traced at both depths.
+MIN_SHALLOW_PERIODS = 4
 
 
 class Extrapolated:
@@ -63,8 +56,15 @@ class Extrapolated:
         self.low, self.high, self.periods = low, high, periods
 
     def result(self) -> dict:
-        low, high = self.low.result(), self.high.result()
-        return {k: max(0, round(low[k] + (high[k] - low[k]) * self.periods)) for k in low}
+        """Every phase's peak extrapolated on its own (the step's peak can move to another phase
+        with depth: llm_1b cp4-pp2 and qwen3_30b_a3b dp8 did), the highest of them."""
+        low, high = self.low.result()["phases"], self.high.result()["phases"]
+        deep = [
+            {k: max(0, round(low[p][k] + (high[p][k] - low[p][k]) * self.periods)) for k in low[p]}
+            for p in low
+            if p in high
+        ]
+        return max(deep, key=lambda c: c["total"])  # a tie: the first in the step, as a tracker
 
 
 def submit_trace(recipe: Recipe, rank: int, pool):
@@ -116,133 +116,6 @@ def _with_stage_blocks(recipe: Recipe, dims: ParallelDims, counts: list[int]) ->
     return dataclasses.replace(recipe, model=model, pp=pp)
 
 
-def trace_rank(recipe: Recipe, rank: int) -> dict:
-    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc). Run it
-    in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
-    with (
-        simulated_rank(recipe, rank) as (dims, meshes, pmodel),
-        FakeTensorMode(allow_non_fake_inputs=True),
-        isolated_sharding_propagation(),
-    ):
-        for part in pmodel.parts:
-            to_empty(part, "cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
-            part.init_buffers(torch.device("cpu"))
-            part.train()
-        # for-loop: foreach AdamW's batched temporaries would be counted all at once under fake tensors
-        optimizers = [
-            build_optimizer(part.parameters(), recipe.optimizer, implementation="for-loop")
-            for part in pmodel.parts
-        ]
-        actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
-        _allocate_moments(optimizers)  # steady state: as on step 2 of a run
-        offloaded = _sharded_states(pmodel.parts, optimizers)  # before a step leaves params unsharded
-        tracker = make_tracker(pmodel.parts, optimizers)
-        with (
-            tracker,
-            StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"),
-            quiet_embedding_view_warning(),
-        ):
-            _run_actions(recipe, dims, pmodel, actions)
-            for stage in stages:
-                stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        peak = peak_categories(tracker)
-        return off_the_device(peak, offloaded) if recipe.fsdp.cpu_offload else peak
-
-
-def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
-    """This rank's sharded parameters, their gradients (each its parameter's size) and optimizer
-    state, in bytes: what FSDP's CPU offload keeps on the host."""
-
-    def local_bytes(tensors) -> int:
-        return sum(
-            (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
-        )
-
-    params = local_bytes(p for part in parts for p in part.parameters())
-    moments = local_bytes(
-        v
-        for opt in optimizers
-        for state in opt.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)  # the moments and AdamW's step counters
-    )
-    return {"parameters": params, "gradients": params, "optimizer": moments}
-
-
-def off_the_device(peak: dict[str, int], offloaded: dict[str, int]) -> dict:
-    """The traced peak with the offloaded states moved off the device: each category loses
-    what is on the host (at most what it held at the peak), `host` says how much that is, and
-    `total` is the device's."""
-    out = {c: max(0, peak[c] - offloaded.get(c, 0)) for c in CATEGORIES}
-    return {**out, "total": sum(out.values()), "host": sum(offloaded.values())}
-
-
-def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list[tuple[int, str, int]], list]:
-    """(stage, 'F'|'B'|'I'|'W', microbatch) in the order this rank runs them, and the torch
-    pipeline stages (for their final gradient reduction; none without pipelining)."""
-    if not dims.pp_enabled:  # microbatches one after another; the second backward finds every grad allocated
-        return [(0, kind, m) for m in range(min(recipe.train.grad_accum_steps, 2)) for kind in "FB"], []
-    schedule = build_schedule(
-        pmodel.parts, pmodel.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x
-    )
-    mine = pipeline_order(schedule)[dims.coordinate(rank)["pp"]]
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps a list, or one
-    return [a for a in map(parse_action, mine) if a is not None], stages
-
-
-def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
-    """AdamW's state as its first step creates it (a step counter and two moments shaped like
-    each parameter), so the traced step is a steady-state one. Made directly: running a step
-    on zero gradients cost ~1.3 s per 8B trace under fake DTensors; a changed state layout
-    fails the traced step loudly (AdamW reads these keys)."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                opt.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-
-
-def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]]) -> None:
-    """Forwards and backwards in the given order, each forward's output kept until its backward."""
-    r, args = recipe, args_from_config(recipe.model)
-    last_stage = dims.pp * r.pp.stages_per_rank - 1
-    mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
-    sp = dims.tp_enabled and r.tp.sequence_parallel
-    tokens = r.train.seq_len // dims.cp  # this rank's part of every sequence under cp
-    boundary = (mb, tokens // dims.tp if sp else tokens, args.dim)  # what a stage sends
-    act_dtype = DTYPES[r.fsdp.param_dtype] if fsdp_applies(dims, r.fsdp) else torch.float32
-    parts = dict(zip(pmodel.stage_ids, pmodel.parts))
-    live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
-    for stage, kind, m in actions:
-        part = parts[stage]
-        if kind == "F":
-            x = (
-                torch.randint(0, args.vocab_size, (mb, tokens))
-                if stage == 0
-                else torch.empty(boundary, dtype=act_dtype, requires_grad=True)
-            )
-            out = part(x)
-            if stage == last_stage:
-                out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, tokens)))
-            live[(stage, m)] = out
-        elif kind in "BI":  # a zero-bubble input-gradient half counted as the whole backward
-            if dims.pp_enabled and isinstance(part, FSDPModule):
-                # as torch's PipelineStage runs FSDP: no reduce-scatter and no reshard until the
-                # step's last backward, so unsharded params and grads live across microbatches
-                part.set_is_last_backward(False)
-                part.set_reshard_after_backward(False)
-                part.set_requires_gradient_sync(False)
-            out = live.pop((stage, m))
-            out.backward(None if out.dim() == 0 else torch.empty_like(out))
-            del out
-
-
 def traced_estimate(recipe: Recipe, pool) -> dict:
     """The heaviest role's categories, with `rank` saying which global rank it is."""
     return heaviest(submit_roles(recipe, pool))
@@ -258,7 +131,9 @@ def submit_roles(recipe: Recipe, pool) -> list:
 
 
 def heaviest(results: list) -> dict:
-    per_role = [dict(r.result(), rank=rank) for rank, r in results]
+    per_role = [
+        {k: v for k, v in r.result().items() if k != "phases"} | {"rank": rank} for rank, r in results
+    ]
     return max(per_role, key=lambda p: p["total"])
 
 

@@ -10,7 +10,7 @@ traces one for `meshforge estimate` (simulate/estimate.py). We fold its labels i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -88,18 +88,38 @@ class StepMemTracker(MemTracker):
         except NotImplementedError:
             pass  # raised before any state changed; the module keeps its first stats
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "step"  # what the step is doing now (the caller sets it)
+        # (the modules running, backward?) -> where in the phase: each place keeps its own peak
+        self.locate: Callable[[str, set[str], bool], str] | None = None
+        self.phase_peaks: dict[str, dict] = {}  # {phase[:place]: {device: snapshot at its peak}}
+
     def _update_peak_stats(self, peak_state) -> None:
-        # Only the step's peak is read. torch also walks every module's statistics on every op
-        # (ops x modules: 2/3 of an 8B trace's time), for per-module peaks nobody reads here.
+        # Only the step's and the phases' peaks are read. torch also walks every module's statistics
+        # on every op (ops x modules: 2/3 of an 8B trace's time), for per-module peaks nobody reads.
         for dev, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = snap[_TOTAL_KEY]
+            total = snap[_TOTAL_KEY]
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
                 self._peak_mem_snap[dev] = dict(snap)
+            key = self.phase
+            if self.locate is not None:
+                key += ":" + self.locate(self.phase, self._mod_tracker.parents, self._mod_tracker.is_bw)
+            phase = self.phase_peaks.setdefault(key, {})
+            if phase.get(dev, {}).get(_TOTAL_KEY, 0) < total:
+                phase[dev] = dict(snap)
 
 
 def peak_categories(tracker) -> dict[str, int]:
     """The categories at the tracker's peak (the moment its total was highest)."""
     return fold(tracker.get_tracker_snapshot("peak"))
+
+
+def phase_peak_categories(tracker: StepMemTracker) -> dict[str, dict[str, int]]:
+    """The categories at each phase's own peak: where a step peaks can move to another phase as
+    a model grows, so an estimate that extrapolates depth extrapolates every phase's peak."""
+    return {phase: fold(snapshot) for phase, snapshot in tracker.phase_peaks.items()}
 
 
 def in_gib(categories: dict[str, int]) -> dict[str, float]:

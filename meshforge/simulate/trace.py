@@ -1,0 +1,194 @@
+"""One rank's training step traced on fake tensors: its peak memory by category, and each
+phase's (every forward and backward of the rank's schedule, the gradient reduction, the optimizer
+step). What `meshforge estimate` runs per role (estimate.py); see its module doc."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from meshforge.configs import Recipe
+from meshforge.models import args_from_config
+from meshforge.parallelisms import to_empty
+from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
+from meshforge.parallelisms.pp import build_schedule
+from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
+from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories, phase_peak_categories
+from meshforge.run.train.optim import build_optimizer
+from meshforge.run.train.step import StepPolicy, cross_entropy_sum
+from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank
+
+
+def trace_rank(recipe: Recipe, rank: int) -> dict:
+    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc). Run it
+    in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
+    with (
+        simulated_rank(recipe, rank) as (dims, meshes, pmodel),
+        FakeTensorMode(allow_non_fake_inputs=True),
+        isolated_sharding_propagation(),
+    ):
+        for part in pmodel.parts:
+            to_empty(part, "cpu")  # no weight init: values do not matter (and trunc_normal_ fails here)
+            part.init_buffers(torch.device("cpu"))
+            part.train()
+        # for-loop: foreach AdamW's batched temporaries would be counted all at once under fake tensors
+        optimizers = [
+            build_optimizer(part.parameters(), recipe.optimizer, implementation="for-loop")
+            for part in pmodel.parts
+        ]
+        actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
+        _allocate_moments(optimizers)  # steady state: as on step 2 of a run
+        offloaded = _sharded_states(pmodel.parts, optimizers)  # before a step leaves params unsharded
+        tracker = make_tracker(pmodel.parts, optimizers)
+        ac = recipe.activation_checkpoint
+        tracker.locate = block_locator(pmodel.parts, ac.selective_every if ac.mode == "selective" else 1)
+        with (
+            tracker,
+            StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"),
+            quiet_embedding_view_warning(),
+        ):
+            _run_actions(recipe, dims, pmodel, actions, tracker)
+            tracker.phase = "reduce"
+            for stage in stages:
+                stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
+            tracker.phase = "optimizer"
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        on_device = (lambda c: off_the_device(c, offloaded)) if recipe.fsdp.cpu_offload else dict
+        phases = {p: on_device(c) for p, c in phase_peak_categories(tracker).items()}
+        return {**on_device(peak_categories(tracker)), "phases": phases}
+
+
+def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
+    """This rank's sharded parameters, their gradients (each its parameter's size) and optimizer
+    state, in bytes: what FSDP's CPU offload keeps on the host."""
+
+    def local_bytes(tensors) -> int:
+        return sum(
+            (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
+        )
+
+    params = local_bytes(p for part in parts for p in part.parameters())
+    moments = local_bytes(
+        v
+        for opt in optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)  # the moments and AdamW's step counters
+    )
+    return {"parameters": params, "gradients": params, "optimizer": moments}
+
+
+def off_the_device(peak: dict[str, int], offloaded: dict[str, int]) -> dict:
+    """The traced peak with the offloaded states moved off the device: each category loses
+    what is on the host (at most what it held at the peak), `host` says how much that is, and
+    `total` is the device's."""
+    out = {c: max(0, peak[c] - offloaded.get(c, 0)) for c in CATEGORIES}
+    return {**out, "total": sum(out.values()), "host": sum(offloaded.values())}
+
+
+def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list[tuple[int, str, int]], list]:
+    """(stage, 'F'|'B'|'I'|'W', microbatch) in the order this rank runs them, and the torch
+    pipeline stages (for their final gradient reduction; none without pipelining)."""
+    if not dims.pp_enabled:  # microbatches one after another; the second backward finds every grad allocated
+        return [(0, kind, m) for m in range(min(recipe.train.grad_accum_steps, 2)) for kind in "FB"], []
+    schedule = build_schedule(
+        pmodel.parts, pmodel.stage_ids, meshes.pp, recipe.pp, torch.device("cpu"), lambda x, y: x
+    )
+    mine = pipeline_order(schedule)[dims.coordinate(rank)["pp"]]
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps a list, or one
+    return [a for a in map(parse_action, mine) if a is not None], stages
+
+
+def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
+    """AdamW's state as its first step creates it (a step counter and two moments shaped like
+    each parameter), so the traced step is a steady-state one. Made directly: running a step
+    on zero gradients cost ~1.3 s per 8B trace under fake DTensors; a changed state layout
+    fails the traced step loudly (AdamW reads these keys)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]], tracker) -> None:
+    """Forwards and backwards in the given order, each forward's output kept until its backward;
+    each action a phase of the tracker (its index: the same actions at every depth)."""
+    r, args = recipe, args_from_config(recipe.model)
+    last_stage = dims.pp * r.pp.stages_per_rank - 1
+    mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
+    sp = dims.tp_enabled and r.tp.sequence_parallel
+    tokens = r.train.seq_len // dims.cp  # this rank's part of every sequence under cp
+    boundary = (mb, tokens // dims.tp if sp else tokens, args.dim)  # what a stage sends
+    act_dtype = DTYPES[r.fsdp.param_dtype] if fsdp_applies(dims, r.fsdp) else torch.float32
+    parts = dict(zip(pmodel.stage_ids, pmodel.parts))
+    live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
+    for i, (stage, kind, m) in enumerate(actions):
+        tracker.phase = f"{i}:{kind}{stage}"
+        part = parts[stage]
+        if kind == "F":
+            x = (
+                torch.randint(0, args.vocab_size, (mb, tokens))
+                if stage == 0
+                else torch.empty(boundary, dtype=act_dtype, requires_grad=True)
+            )
+            out = part(x)
+            if stage == last_stage:
+                out = cross_entropy_sum(out, torch.randint(0, args.vocab_size, (mb, tokens)))
+            live[(stage, m)] = out
+        elif kind in "BI":  # a zero-bubble input-gradient half counted as the whole backward
+            if dims.pp_enabled and isinstance(part, FSDPModule):
+                # as torch's PipelineStage runs FSDP: no reduce-scatter and no reshard until the
+                # step's last backward, so unsharded params and grads live across microbatches
+                part.set_is_last_backward(False)
+                part.set_reshard_after_backward(False)
+                part.set_requires_gradient_sync(False)
+            out = live.pop((stage, m))
+            out.backward(None if out.dim() == 0 else torch.empty_like(out))
+            del out
+
+
+TOP_LEVEL = ("tok_embeddings", "norm", "output")
+# The first 2 periods of a stage's blocks labelled from its start ('0', '1'), the rest from its
+# end ('-2', '-1'): FSDP's prefetch makes the first and the last two blocks differ from the steady
+# ones between (qwen3_30b_a3b's step peaks at the second block's backward, which prefetches the
+# first's); a period is 1 block, or selective AC's `selective_every` (blocks alternate).
+FROM_START_PERIODS = 2
+
+
+def block_locator(parts: list, period: int) -> Callable[[str, set[str], bool], str]:
+    """Where a step is, as a label that means the same place at every depth: 'F'/'B', then a
+    block counted from the stage's start or end (FROM_START_PERIODS), a top-level module, or
+    the rest of the phase before its first block ('top<') or after one ('top>': a backward's
+    gradient reduction, a forward's loss). Memory at each such place grows linearly with the
+    depth, so each place's peak extrapolates exactly; the step's peak moves between places as
+    a model deepens (a shallow qwen3_30b_a3b peaks at the head's backward, all 48 layers at the
+    second block's)."""
+    blocks = {key: (i, len(part.layers)) for part in parts for i, key in enumerate(part.layers)}
+    seen = {"phase": None, "block": False}  # has the current phase run a block yet
+
+    def locate(phase: str, modules: set[str], backward: bool) -> str:
+        if phase != seen["phase"]:
+            seen.update(phase=phase, block=False)
+        where = [
+            blocks[k] for m in modules if ".layers." in m and (k := m.rpartition(".layers.")[2]) in blocks
+        ]
+        if where:
+            seen["block"] = True
+            i, n = min(where)
+            place = str(i if i < FROM_START_PERIODS * period else i - n)
+        else:
+            top = "top>" if seen["block"] else "top<"
+            place = next((m.rpartition(".")[2] for m in modules if m.rpartition(".")[2] in TOP_LEVEL), top)
+        return ("B" if backward else "F") + place
+
+    return locate
