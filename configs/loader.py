@@ -113,7 +113,20 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[Problem]]:
             problems.append(Problem("override", o, "expected key=value, e.g. train.steps=20"))
         else:
             good.append(o)
-    return OmegaConf.to_container(OmegaConf.from_dotlist(good)), problems
+    parsed = OmegaConf.to_container(OmegaConf.from_dotlist(good))
+    for o in good:  # a text field takes the text as written: YAML reads run_name=off as False, 1e3 as 1000.0
+        key, _, text = o.partition("=")
+        *path, leaf = key.split(".")
+        if _is_text_field(path, leaf) and text not in ("null", "~"):
+            functools.reduce(lambda d, k: d[k], path, parsed)[leaf] = text
+    return parsed, problems
+
+
+def _is_text_field(path: list[str], leaf: str) -> bool:
+    """Is `section.leaf` (or a top-level `leaf`) a str or Optional[str] field of the schema?"""
+    cls = sections().get(path[0]) if len(path) == 1 else Recipe if not path else None
+    hints = typing.get_type_hints(cls) if cls is not None else {}
+    return hints.get(leaf) in (str, str | None)
 
 
 def check_keys_and_types(raw: dict) -> list[Problem]:

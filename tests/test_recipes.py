@@ -59,6 +59,12 @@ def test_defaults_overrides_and_derived_batch(tmp_path):
     assert r.fsdp.reshard_after_forward is True  # schema default
 
 
+def test_a_text_field_takes_an_override_as_written(tmp_path):
+    """YAML would read run_name=off as False (a run folder named 'False') and 1e3 as 1000.0."""
+    r = load_recipe(write(tmp_path, SINGLE), ["run_name=off", "output_dir=1e3", "checkpoint.load=null"])
+    assert (r.run_name, r.output_dir, r.checkpoint.load) == ("off", "1e3", None)
+
+
 def test_minus_one_takes_the_rest_of_the_world(tmp_path):
     r = load_recipe(write(tmp_path, "[mesh]\ndp_shard = -1\ntp = 2\n[train]\nseq_len = 32\n"), world_size=8)
     assert (r.mesh.dp_shard, r.mesh.tp) == (4, 2)
