@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .fields import NO_EVAL, NO_FSDP, NO_PP, NO_SAVE, NO_WANDB, F, unread_with
+from .float8 import Float8Config
 from .model_mesh import MeshConfig, ModelConfig
 
-__all__ = ["MeshConfig", "ModelConfig"]  # the [model] and [mesh] sections live in model_mesh.py
+__all__ = ["Float8Config", "MeshConfig", "ModelConfig"]  # [model] and [mesh] in model_mesh.py, [float8]
 
 
 @dataclass
@@ -331,6 +332,7 @@ class Recipe:
         ActivationCheckpointConfig(), "activation checkpointing"
     )
     compile: CompileConfig = F(CompileConfig(), "torch.compile")
+    float8: Float8Config = F(Float8Config(), "float8 training of the linear layers (torchao)")
     profile: ProfileConfig = F(ProfileConfig(), "torch.profiler over chosen steps")
     optimizer: OptimizerConfig = F(OptimizerConfig(), "optimizer")
     lr_scheduler: LRSchedulerConfig = F(LRSchedulerConfig(), "learning-rate schedule")

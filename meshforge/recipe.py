@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
@@ -18,6 +20,7 @@ from meshforge.models.moe import has_experts
 from meshforge.parallelisms.ac import unknown_ops
 from meshforge.parallelisms.cp import ATTENTION, shape_problems
 from meshforge.parallelisms.ep import check_ep
+from meshforge.parallelisms.float8 import check_float8
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
 
@@ -60,7 +63,18 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
     problems += check_profile(r)
     if args is not None:
         problems += check_hf_init(r, args)
+    problems += check_float8(
+        r.float8, r.backend, r.fsdp.param_dtype, meta_model(r, args) if r.float8.enabled else None
+    )
     return problems
+
+
+def meta_model(r: Recipe, args):
+    """The recipe's model on the meta device (no memory), or None without args."""
+    if args is None:
+        return None
+    with torch.device("meta"):
+        return get_model_spec(r.model.name).build(args)
 
 
 def check_choices(r: Recipe) -> list[Problem]:

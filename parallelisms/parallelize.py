@@ -1,5 +1,7 @@
 """The one place that composes the parallelisms, in a fixed order:
 
+0. float8    - swap the chosen Linears for torchao's Float8Linear (parallelisms/float8.py) on the
+               whole meta model: TP and FSDP then shard them as any Linear.
 1. PP split  - cut the meta model into this rank's stages first: every later step then
                works on a stage exactly as on a whole model, and sees only its layers.
    EP        - each stage's experts become DTensors sharded over ep and its MoEs dispatch tokens
@@ -30,6 +32,7 @@ from meshforge.configs.schema import (
     ActivationCheckpointConfig,
     CompileConfig,
     CPConfig,
+    Float8Config,
     FSDPConfig,
     PPConfig,
     TPConfig,
@@ -41,6 +44,7 @@ from .ac import apply_ac
 from .compile import apply_compile
 from .cp import apply_cp
 from .ep import apply_ep
+from .float8 import apply_float8
 from .fsdp import apply_fsdp, fsdp_applies
 from .mesh import Meshes
 from .pp import pipeline_split
@@ -70,10 +74,13 @@ def parallelize(
     ac: ActivationCheckpointConfig,
     compile: CompileConfig,
     fsdp: FSDPConfig,
+    float8: Float8Config,
 ) -> ParallelModel:
-    """Apply PP (+ CP) -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc);
+    """Apply float8 -> PP (+ EP, CP) -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc);
     `seq_len`: the tokens of one whole sequence, which cp splits; `device_type`: where the model
     will run (a kernel choice of cp's)."""
+    if float8.enabled:
+        apply_float8(model, float8)
     if dims.pp_enabled:
         parts, ids, layout = pipeline_split(model, meshes.pp, pp)
     else:

@@ -154,7 +154,16 @@ QUICK = [
 ]
 
 
-EXTRAS = ("jax", "optax", "orbax.checkpoint", "transformers", "torchtitan", "datasets", "deepspeed")
+EXTRAS = (
+    "jax",
+    "optax",
+    "orbax.checkpoint",
+    "transformers",
+    "torchtitan",
+    "datasets",
+    "deepspeed",
+    "torchao",
+)
 
 
 def pytest_sessionstart(session):

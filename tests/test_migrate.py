@@ -240,10 +240,34 @@ def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):
     assert r.cp.method == "allgather" and "the same attention, other traffic" in written
 
 
+def test_torchtitan_float8_maps_to_the_float8_section(tmp_path):
+    """TorchTitan's own debug job with its commented converters line turned on, as a user would:
+    its [quantize.linear.float8] section (filter_fqns = ["output"], no float8 all-gather) becomes
+    [float8]: tensorwise (torchao's default, recipe_name unset), the output kept; the float8
+    all-gather, which meshforge does not implement, is refused when asked for."""
+    text = (TITAN / "debug_model.toml").read_text()
+    assert text.count('# converters = ["float8"]') == 1
+    text = text.replace('# converters = ["float8"]', 'converters = ["float8"]')
+    (tmp_path / "titan").mkdir()
+    job = tmp_path / "titan" / "f8_job.toml"
+    job.write_text(text)
+    _, r, written = _import(tmp_path, job, 8)
+    assert (r.float8.enabled, r.float8.recipe, r.float8.exclude) == (True, "tensorwise", ["output"])
+    assert "name is or ends in it" in written
+    job.write_text(
+        text.replace("enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true")
+    )
+    with pytest.raises(ImportRefused) as e:
+        import_config(job, tmp_path / "x.toml", 8)
+    assert [s.key for s in e.value.imported.unsupported] == [
+        "quantize.linear.float8.enable_fsdp_float8_all_gather"
+    ]
+
+
 def test_torchtitan_refusals(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(
-        '[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["float8"]\n'
+        '[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["mx"]\n'
         "[training]\nsteps = 100\n[parallelism]\nexpert_parallel_degree = 2\n"
         '[lr_scheduler]\nwarmup_steps = 10\ndecay_ratio = 0.5\ndecay_type = "sqrt"\n[made_up]\nkey = 1\n'
     )

@@ -24,6 +24,8 @@ L8 = [
 ]  # pp=4 x 2 virtual stages needs 8 layers  # zero-bubble schedules need it (validation refuses the other)
 
 TIED = ["model.tie_embeddings=true"]  # llm_1b's tying on the debug model
+F8 = ["float8.enabled=true"]  # rowwise: compared with a 1-rank float8 run (its scales see whole tensors)
+F8_TW = ["float8.enabled=true", "float8.recipe=tensorwise"]
 QWEN3 = ["model.name=qwen3"]  # the debug flavor: QK-norm, head_dim 32 with dim 64, untied
 
 # name: (overrides, baseline model overrides, tolerance)
@@ -159,6 +161,18 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tied_pp2_zbv": (["mesh.pp=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *TIED], TIED, 1e-5),
     "tied_pp2_tp2": (["mesh.pp=2", "mesh.tp=2", *TIED], TIED, 1e-5),
     "tied_3d_pp2_dp2_tp2": (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *TIED], TIED, 1e-5),
+    # float8 (#28): every mesh float8 joins, each recipe once; the scales are maxima, the same on shards
+    "float8_fsdp2": (["mesh.dp_shard=2", *F8], F8, 1e-5),
+    "float8_tensorwise_tp2": (["mesh.tp=2", *F8_TW], F8_TW, 1e-5),
+    "float8_pp2": (["mesh.pp=2", *F8], F8, 1e-5),
+    # tensorwise scales a rank's activations and output gradients by their own amax (its part of the
+    # batch): a dp layout rounds them differently from one process (measured 8e-5 over 6 steps, the
+    # same compiled or eager); rowwise scales each row by itself, whatever holds it: 1e-5 above
+    "float8_tensorwise_hsdp_compile": (
+        ["mesh.dp_replicate=2", "mesh.dp_shard=2", *F8_TW, "compile.enabled=true"],
+        F8_TW,
+        2e-4,
+    ),
 }
 
 # context parallel (issue 25), over CP_STEPS: every mesh cp joins, both attention methods

@@ -14,6 +14,7 @@ from meshforge.core.errors import UsageError
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
 from meshforge.migrate.torchtitan_flavors import FAMILIES, LLAMA3_FLAVORS, QWEN3_MOE_FLAVORS
+from meshforge.migrate.torchtitan_float8 import float8
 from meshforge.migrate.torchtitan_moe import BALANCING, expert_parallel, moe_details
 from meshforge.parallelisms.pp import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES
 
@@ -69,6 +70,7 @@ def from_torchtitan(data: dict, world: int | None, our_flavors: dict) -> Importe
     _validation(k, out, dp)
     _optimizer_and_schedule(k, out)
     _checkpoint(k, out)
+    float8(k, out)
     if (v := k.take("compile.enable")) is not MISSING:
         out.set("compile.enabled", bool(v))
     if (v := k.take("compile.backend")) is not MISSING:
@@ -98,8 +100,6 @@ def _model(k: Keys, out: Imported, our_flavors: dict) -> tuple[int, bool | None]
     """The model's fields; returns its number of blocks (for the pipeline layout) and whether it has
     experts (None: the model is refused)."""
     name, flavor = k.take("model.name", "llama3"), k.take("model.flavor", "debugmodel")
-    if (conv := k.take("model.converters", [])) != []:
-        out.refuse("model.converters", conv, "float8 / MX training changes the matmuls' precision")
     family, table = FAMILIES.get(name, (None, {}))
     if flavor not in table:
         out.refuse(

@@ -52,6 +52,7 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
             ac=recipe.activation_checkpoint,
             compile=compile_off,
             fsdp=recipe.fsdp,
+            float8=recipe.float8,
         )
         yield dims, meshes, pmodel
     finally:

@@ -40,6 +40,7 @@ class Banner:
     total_steps: int
     pipeline: str | None = None  # schedule and stage layout, when pipelined
     loss_floor: float | None = None
+    precision: str | None = None  # float8: what runs in it
 
 
 def counted_steps(throughput_steps: dict | None) -> str:
@@ -76,6 +77,8 @@ class RunConsole:
         self.console.print("[bold]meshforge[/] " + escape(what))  # escaped: [dp_shard=2, ...] is no markup
         if b.pipeline:
             self.console.print(escape(b.pipeline))
+        if b.precision:
+            self.console.print(escape(b.precision), highlight=False)
         if b.loss_floor is not None:
             self.console.print(f"synthetic source: loss floor (entropy rate) = {b.loss_floor:.4f} nats/token")
         self.console.print(f"records: {run_dir}", highlight=False, markup=False)

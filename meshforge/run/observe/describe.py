@@ -58,6 +58,7 @@ def hparams(recipe: Recipe, dims: ParallelDims) -> dict:
         "fsdp.param_dtype": r.fsdp.param_dtype,
         "activation_checkpoint.mode": r.activation_checkpoint.mode,
         "compile.enabled": r.compile.enabled,
+        "float8": r.float8.recipe if r.float8.enabled else "off",
         "backend": r.backend,
     }
 
@@ -86,7 +87,17 @@ def banner(
         r.train.steps,
         pipeline,
         loss_floor,
+        precision_line(r),
     )
+
+
+def precision_line(r: Recipe) -> str | None:
+    """What trains in float8 and what does not, when it is on."""
+    if not r.float8.enabled:
+        return None
+    kept = ", ".join([*r.float8.exclude, "MoE routers and experts", "layers with a dim not divisible by 16"])
+    recipe, dtype = r.float8.recipe, r.fsdp.param_dtype
+    return f"float8 ({recipe} scaling, torchao): the linear layers' matmuls; kept in {dtype}: {kept}"
 
 
 def open_run(

@@ -88,6 +88,7 @@ class Trainer(TrainingRun):
             ac=r.activation_checkpoint,
             compile=r.compile,
             fsdp=r.fsdp,
+            float8=r.float8,
         )
         for part in self.pmodel.parts:
             materialize(part, self.env.device, r.seed, params_on_cpu=r.fsdp.cpu_offload)

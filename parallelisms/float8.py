@@ -1,0 +1,108 @@
+"""Float8 training of the linear layers with torchao: each chosen `nn.Linear` becomes torchao's
+`Float8Linear`, whose matmuls (forward, input gradient, weight gradient) run in float8 with
+scales computed from each tensor on the fly, while the weight, its gradient and the optimizer
+stay in high precision. Applied first (parallelize.py): TP and FSDP then shard a Float8Linear as
+any Linear, and its scales see the whole tensor (DTensor reduces the amax over the shards).
+
+Kept in high precision: what `float8.exclude` names (the output head by default: the logits'
+precision), MoE routers (a routing decision must not flip on a rounding) and experts (grouped
+weights, not Linears), and any layer with a dim not divisible by 16 (float8 matmuls need it)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+
+from torch import nn
+
+from meshforge.configs import Problem
+from meshforge.configs.float8 import FLOAT8_RECIPES, Float8Config
+
+ALWAYS_KEPT = ("router",)  # a module under one of these names stays in high precision
+
+
+def float8_layers(model: nn.Module, cfg: Float8Config) -> list[str]:
+    """The FQNs of the linear layers `cfg` converts (before any conversion)."""
+    return [fqn for fqn, module in model.named_modules() if _chosen(module, fqn, cfg)]
+
+
+def _chosen(module: nn.Module, fqn: str, cfg: Float8Config) -> bool:
+    if not isinstance(module, nn.Linear):
+        return False
+    names = fqn.split(".")
+    if any(n in names for n in ALWAYS_KEPT):
+        return False
+    if any(fqn == e or fqn.endswith("." + e) for e in cfg.exclude):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
+    """Swap the chosen linear layers of `model` (meta or real) for torchao's Float8Linear with
+    the recipe's scaling; returns their FQNs."""
+    with _quiet_import():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = float8_layers(model, cfg)
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig.from_recipe_name(cfg.recipe),
+        module_filter_fn=lambda module, fqn: fqn in chosen,
+    )
+    return chosen
+
+
+@contextlib.contextmanager
+def _quiet_import():
+    """torchao's import, without its two harmless lines on every rank: its CUDA kernels do not
+    load on a CPU build (float8 training does not use them), and a deprecation inside torchao."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def check_float8(cfg: Float8Config, backend: str, param_dtype: str, model: nn.Module | None) -> list[Problem]:
+    """float8's rules: a recipe torchao has, the torch backend, no fp16 (its loss scale and
+    float8's scales are not composed here), torchao installed, and a layer to convert (`model`
+    on the meta device; None when it cannot be built)."""
+    if not cfg.enabled:
+        return []
+    problems = []
+    if cfg.recipe not in FLOAT8_RECIPES:
+        problems.append(
+            Problem("float8.recipe", cfg.recipe, f"torchao's recipes: {', '.join(FLOAT8_RECIPES)}")
+        )
+    if backend != "torch":
+        problems.append(
+            Problem("backend", backend, "float8 training is torchao's, torch-only: backend=torch")
+        )
+    if param_dtype == "float16":
+        problems.append(
+            Problem(
+                "fsdp.param_dtype",
+                "float16",
+                "float8 with fp16's loss scale is not implemented (the scaled gradients would set float8's "
+                "scales); use bfloat16 or float32",
+            )
+        )
+    if importlib.util.find_spec("torchao") is None:
+        problems.append(
+            Problem("float8.enabled", True, "needs torchao: pip install torchao (or the [float8] extra)")
+        )
+    if model is not None and not float8_layers(model, cfg):
+        problems.append(
+            Problem(
+                "float8.enabled",
+                True,
+                f"no linear layer qualifies (float8.exclude = {cfg.exclude}, and a layer needs both dims "
+                "divisible by 16): nothing would train in float8; widen the model or set enabled=false",
+            )
+        )
+    return problems
