@@ -46,6 +46,18 @@ RUNS: dict[str, tuple[str, list[str], float]] = {
         [*LLM_1B_ONE_GPU, "compile.enabled=true", "logging.memory_history=false"],
         1,
     ),
+    # float8 (#28): torchao's Float8Linear on the blocks' linears, compiled; against llm_1b_bf16_compile
+    "llm_1b_float8_rowwise_compile": (
+        "llm_1b",
+        [*LLM_1B_ONE_GPU, "compile.enabled=true", "logging.memory_history=false", "float8.enabled=true"],
+        1,
+    ),
+    "llm_1b_float8_tensorwise_compile": (
+        "llm_1b",
+        [*LLM_1B_ONE_GPU, "compile.enabled=true", "logging.memory_history=false", "float8.enabled=true"]
+        + ["float8.recipe=tensorwise"],
+        1,
+    ),
     "llm_1b_bf16_cpu_offload": ("llm_1b", [*LLM_1B_ONE_GPU, "fsdp.cpu_offload=true"], 0.34),
     "llm_1b_bf16_eager": ("llm_1b", [*LLM_1B_ONE_GPU, "logging.memory_history=false"], 1),
     "llm_1b_bf16_eager_memory_history": ("llm_1b", LLM_1B_ONE_GPU, 1),

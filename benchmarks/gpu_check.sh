@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA path on a one-GPU machine, in one go (a few minutes on an H100/H200): the default
 # recipe on cuda with its memory metrics checked, then llm_1b on one GPU in bf16 (eager,
-# compiled, with full AC, and with fsdp.cpu_offload), each with tokens/s, MFU and peak memory
-# beside `meshforge estimate`. Writes benchmarks/results/gpu_check.{json,md} (or --out DIR).
+# compiled, float8 rowwise and tensorwise compiled, with full AC, and with fsdp.cpu_offload), each
+# with tokens/s, MFU and peak memory beside `meshforge estimate`. Writes
+# benchmarks/results/gpu_check.{json,md} (or --out DIR).
 #
 #   bash benchmarks/gpu_check.sh [--steps 30] [--out DIR] [--only name,name]
 #
