@@ -240,6 +240,15 @@ def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):
     assert r.cp.method == "allgather" and "the same attention, other traffic" in written
 
 
+@pytest.mark.parametrize(
+    "model, says",
+    [("nope:debug", "no model family 'nope'; families: llama3"), ("llama3:nope", "no flavor 'nope'")],
+)
+def test_an_unknown_model_is_named_with_the_choices(tmp_path, model, says):
+    with pytest.raises(UsageError, match=says):  # was a KeyError's traceback
+        import_config(DS / "seeds_pipeline_fp16.json", tmp_path / "x.toml", 3, model=model)
+
+
 def test_torchtitan_float8_maps_to_the_float8_section(tmp_path):
     """TorchTitan's own debug job with its commented converters line turned on, as a user would:
     its [quantize.linear.float8] section (filter_fqns = ["output"], no float8 all-gather) becomes

@@ -21,7 +21,7 @@ from meshforge.migrate.deepspeed import from_deepspeed
 from meshforge.migrate.report import Imported
 from meshforge.migrate.torchtitan import from_torchtitan
 from meshforge.migrate.torchtitan_flavors import FAMILIES
-from meshforge.models import args_from_config, get_model_spec
+from meshforge.models import MODELS, args_from_config, get_model_spec
 from meshforge.recipe import load_recipe
 
 DEEPSPEED_KEYS = (
@@ -136,6 +136,12 @@ def _model_config(model: str | None, base: Path | None) -> ModelConfig | None:
         name, _, flavor = model.partition(":")
         if not flavor:
             raise UsageError(f"--model {model}: write family:flavor, e.g. llama3:8b")
+        if name not in MODELS:
+            raise UsageError(f"--model {model}: no model family {name!r}; families: {', '.join(MODELS)}")
+        if flavor not in (flavors := MODELS[name].flavors):
+            raise UsageError(
+                f"--model {model}: {name} has no flavor {flavor!r}; flavors: {', '.join(flavors)}"
+            )
         return ModelConfig(name=name, flavor=flavor)
     if base is not None:
         recipe, _ = load_config(base, ())
