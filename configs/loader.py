@@ -117,16 +117,21 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[Problem]]:
     for o in good:  # a text field takes the text as written: YAML reads run_name=off as False, 1e3 as 1000.0
         key, _, text = o.partition("=")
         *path, leaf = key.split(".")
-        if _is_text_field(path, leaf) and text not in ("null", "~"):
-            functools.reduce(lambda d, k: d[k], path, parsed)[leaf] = text
+        parent = functools.reduce(lambda d, k: d[k], path, parsed)
+        if _is_text_field(path, leaf) and parent[leaf] is not None and not isinstance(parent[leaf], str):
+            parent[leaf] = text  # quoted text ('off') and null are YAML's to read
     return parsed, problems
 
 
 def _is_text_field(path: list[str], leaf: str) -> bool:
-    """Is `section.leaf` (or a top-level `leaf`) a str or Optional[str] field of the schema?"""
-    cls = sections().get(path[0]) if len(path) == 1 else Recipe if not path else None
-    hints = typing.get_type_hints(cls) if cls is not None else {}
-    return hints.get(leaf) in (str, str | None)
+    """Is the field at `path.leaf` (any depth: sweep.slurm.partition) a str or Optional[str] one?"""
+    cls: Any = Recipe
+    for name in path:
+        hint = typing.get_type_hints(cls).get(name) if dataclasses.is_dataclass(cls) else None
+        if hint is None or not dataclasses.is_dataclass(hint):
+            return False
+        cls = hint
+    return typing.get_type_hints(cls).get(leaf) in (str, str | None)
 
 
 def check_keys_and_types(raw: dict) -> list[Problem]:

@@ -10,8 +10,6 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
@@ -48,9 +46,11 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
     dims = ParallelDims.from_config(r.mesh) if not mesh_problems else None
     model_problems, args = resolve_model(r)
     problems += model_problems
+    family_problems = []
     if args is not None:
-        problems += get_model_spec(r.model.name).check(args, dims or ParallelDims())
-        problems += check_shapes(r, args, dims)
+        family_problems = get_model_spec(r.model.name).check(args, dims or ParallelDims())
+        problems += family_problems + check_shapes(r, args, dims)
+    buildable = None if model_problems or family_problems else args  # float8's check builds it
     if dims is not None:
         batch_problems = checks.resolve_batch(r)
         problems += batch_problems
@@ -63,18 +63,8 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
     problems += check_profile(r)
     if args is not None:
         problems += check_hf_init(r, args)
-    problems += check_float8(
-        r.float8, r.backend, r.fsdp.param_dtype, meta_model(r, args) if r.float8.enabled else None
-    )
+    problems += check_float8(r.float8, r.backend, r.fsdp.param_dtype, r.model.name, buildable)
     return problems
-
-
-def meta_model(r: Recipe, args):
-    """The recipe's model on the meta device (no memory), or None without args."""
-    if args is None:
-        return None
-    with torch.device("meta"):
-        return get_model_spec(r.model.name).build(args)
 
 
 def check_choices(r: Recipe) -> list[Problem]:

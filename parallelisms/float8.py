@@ -14,10 +14,12 @@ import contextlib
 import importlib.util
 import logging
 
+import torch
 from torch import nn
 
 from meshforge.configs import Problem
 from meshforge.configs.float8 import FLOAT8_RECIPES, Float8Config
+from meshforge.models import get_model_spec
 
 ALWAYS_KEPT = ("router",)  # a module under one of these names stays in high precision
 
@@ -68,12 +70,15 @@ def _quiet_import():
             lg.setLevel(level)
 
 
-def check_float8(cfg: Float8Config, backend: str, param_dtype: str, model: nn.Module | None) -> list[Problem]:
+def check_float8(cfg: Float8Config, backend: str, param_dtype: str, family: str, args) -> list[Problem]:
     """float8's rules: a recipe torchao has, the torch backend, no fp16 (its loss scale and
-    float8's scales are not composed here), torchao installed, and a layer to convert (`model`
-    on the meta device; None when it cannot be built)."""
+    float8's scales are not composed here), torchao installed, every `exclude` entry naming a
+    linear layer, and a layer left to convert (the `family` model built from `args` on the meta
+    device; None args: the model is refused already)."""
     if not cfg.enabled:
         return []
+    with torch.device("meta"):
+        model = get_model_spec(family).build(args) if args is not None else None
     problems = []
     if cfg.recipe not in FLOAT8_RECIPES:
         problems.append(
@@ -95,6 +100,18 @@ def check_float8(cfg: Float8Config, backend: str, param_dtype: str, model: nn.Mo
     if importlib.util.find_spec("torchao") is None:
         problems.append(
             Problem("float8.enabled", True, "needs torchao: pip install torchao (or the [float8] extra)")
+        )
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)] if model else []
+    if unknown := [
+        e for e in cfg.exclude if linears and not any(f == e or f.endswith("." + e) for f in linears)
+    ]:
+        problems.append(
+            Problem(
+                "float8.exclude",
+                unknown,
+                "names no linear layer (a name matches a layer's own name or its ending: output, wq, "
+                "attention.wq, layers.0.feed_forward.w1; a parent such as attention matches none)",
+            )
         )
     if model is not None and not float8_layers(model, cfg):
         problems.append(

@@ -47,12 +47,12 @@ def test_the_blocks_linears_are_converted_and_the_head_routers_and_small_dims_ke
     assert rowwise.layers["0"].attention.wq.config.cast_config_input.scaling_granularity is (
         ScalingGranularity.AXISWISE
     )
-    # a name in exclude matches itself and every module it ends: the whole feed-forward of each block
+    # a name in exclude matches a layer's own name or its ending: every block's w2, not its w1
     kept_ffn = float8_layers(_model([]), Float8Config(enabled=True, exclude=["output", "w2"]))
     assert not any(f.endswith("w2") for f in kept_ffn) and any(f.endswith("w1") for f in kept_ffn)
     # MoE: the router's gate stays (a routing decision must not flip on a rounding); experts are no Linears
     moe = float8_layers(_model(["model.name=qwen3_moe", "model.flavor=debug"]), Float8Config(enabled=True))
-    assert moe and not any("router" in f or "experts" in f for f in moe)
+    assert moe and not any("router" in f for f in moe)  # (experts are grouped weights, not Linears)
     # dims not divisible by 16 (float8 matmuls need it): a 40-wide model keeps its attention's 40 x 40
     narrow = float8_layers(
         _model(["model.dim=40", "model.n_heads=2", "model.n_kv_heads=2"]), Float8Config(True)
@@ -67,6 +67,8 @@ def test_the_blocks_linears_are_converted_and_the_head_routers_and_small_dims_ke
         (["backend=jax"], "backend"),
         (["fsdp.param_dtype=float16"], "fsdp.param_dtype"),
         (["float8.exclude=[output,wq,wk,wv,wo,w1,w2,w3]"], "float8.enabled"),  # nothing left
+        (["float8.exclude=[ouptut]"], "float8.exclude"),  # a typo would put the head in float8
+        (["float8.exclude=[attention]"], "float8.exclude"),  # a parent names no layer
     ],
 )
 def test_what_float8_cannot_do_is_refused_naming_the_field(overrides, field):

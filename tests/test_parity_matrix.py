@@ -161,8 +161,10 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tied_pp2_zbv": (["mesh.pp=2", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2", *TIED], TIED, 1e-5),
     "tied_pp2_tp2": (["mesh.pp=2", "mesh.tp=2", *TIED], TIED, 1e-5),
     "tied_3d_pp2_dp2_tp2": (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *TIED], TIED, 1e-5),
-    # float8 (#28): every mesh float8 joins, each recipe once; the scales are maxima, the same on shards
+    # float8 (#28): every mesh float8 joins (rowwise_with_gw_hp in test_float8.py); the scales are
+    # maxima, which DTensor reduces over the shards
     "float8_fsdp2": (["mesh.dp_shard=2", *F8], F8, 1e-5),
+    "float8_tp2": (["mesh.tp=2", *F8], F8, 1e-5),
     "float8_tensorwise_tp2": (["mesh.tp=2", *F8_TW], F8_TW, 1e-5),
     "float8_pp2": (["mesh.pp=2", *F8], F8, 1e-5),
     # tensorwise scales a rank's activations and output gradients by their own amax (its part of the

@@ -61,8 +61,12 @@ def test_defaults_overrides_and_derived_batch(tmp_path):
 
 def test_a_text_field_takes_an_override_as_written(tmp_path):
     """YAML would read run_name=off as False (a run folder named 'False') and 1e3 as 1000.0."""
-    r = load_recipe(write(tmp_path, SINGLE), ["run_name=off", "output_dir=1e3", "checkpoint.load=null"])
+    over = ["run_name=off", "output_dir=1e3", "checkpoint.load=null", "sweep.slurm.partition=0123"]
+    r = load_recipe(write(tmp_path, SINGLE), over)
     assert (r.run_name, r.output_dir, r.checkpoint.load) == ("off", "1e3", None)
+    assert r.sweep.slurm.partition == "0123"  # a nested section's text field too (YAML: the number 83)
+    assert load_recipe(write(tmp_path, SINGLE), ["run_name='off'"]).run_name == "off"  # quoting still works
+    assert load_recipe(write(tmp_path, SINGLE), ["train.steps=7"]).train.steps == 7  # numbers stay numbers
 
 
 def test_minus_one_takes_the_rest_of_the_world(tmp_path):

@@ -38,7 +38,7 @@ from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES
 from meshforge.simulate.fake_rank import trace_pool
-from meshforge.simulate.trace import trace_rank
+from meshforge.simulate.trace import FROM_START_PERIODS, trace_rank
 
 # A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
 # amount with each further block (its parameters, gradients, moments and saved activations), so
@@ -46,7 +46,7 @@ from meshforge.simulate.trace import trace_rank
 # in tests/test_memory.py), at each place of the step on its own (trace.block_locator). At least
 # 4 periods: the first two and the last two blocks differ from the rest (FSDP's prefetch of the
 # next block, the first block's gradient buckets), so each is traced at both depths.
-MIN_SHALLOW_PERIODS = 4
+MIN_SHALLOW_PERIODS = 2 * FROM_START_PERIODS
 
 
 class Extrapolated:
@@ -59,6 +59,8 @@ class Extrapolated:
         """Every phase's peak extrapolated on its own (the step's peak can move to another phase
         with depth: llm_1b cp4-pp2 and qwen3_30b_a3b dp8 did), the highest of them."""
         low, high = self.low.result()["phases"], self.high.result()["phases"]
+        if missing := [p for p in low if p not in high]:  # a label that moved: the extrapolation is off
+            raise RuntimeError(f"estimate: places of the shallow trace missing one period deeper: {missing}")
         deep = [
             {k: max(0, round(low[p][k] + (high[p][k] - low[p][k]) * self.periods)) for k in low[p]}
             for p in low

@@ -13,7 +13,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
@@ -75,9 +74,9 @@ def isolated_sharding_propagation() -> Iterator[None]:
     DTensor runs the op on fake tensors of the *global* shape; under a trace's FakeTensorMode
     torch runs that in the trace's own mode, below its MemTracker, so the tracker counted
     global-shape tensors no rank holds (llm_1b tp8: 10.78 GiB traced where a rank holds ~4.2).
-    Here it runs with the trace's modes set aside (in a fresh fake mode), and its results are
-    cached per op as in an eager step: torch skips its caches when a fake mode is active,
-    for dynamic shapes a trace does not have."""
+    Here it runs with the trace's modes set aside, in a fresh fake mode (torch 2.13's private
+    `_propagate_tensor_meta_non_cached`, which every propagation reaches under a fake mode: a
+    renamed one fails the trace, and tests/test_memory.py's tp test with it)."""
     original = ShardingPropagator._propagate_tensor_meta_non_cached
 
     def propagate_aside(self, op_schema):
@@ -85,10 +84,7 @@ def isolated_sharding_propagation() -> Iterator[None]:
             return original(self, op_schema)
 
     ShardingPropagator._propagate_tensor_meta_non_cached = propagate_aside
-    tracing = sharding_prop._are_we_tracing
-    sharding_prop._are_we_tracing = lambda: False  # the cached paths
     try:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
-        sharding_prop._are_we_tracing = tracing

@@ -24,8 +24,9 @@ from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulate
 
 
 def trace_rank(recipe: Recipe, rank: int) -> dict:
-    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc). Run it
-    in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
+    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc), and under
+    `phases` each place's own peak by category (block_locator). Run it in a fresh process
+    (trace_pool): torch caches plans by mesh layout across traces."""
     with (
         simulated_rank(recipe, rank) as (dims, meshes, pmodel),
         FakeTensorMode(allow_non_fake_inputs=True),
@@ -161,7 +162,9 @@ TOP_LEVEL = ("tok_embeddings", "norm", "output")
 # The first 2 periods of a stage's blocks labelled from its start ('0', '1'), the rest from its
 # end ('-2', '-1'): FSDP's prefetch makes the first and the last two blocks differ from the steady
 # ones between (qwen3_30b_a3b's step peaks at the second block's backward, which prefetches the
-# first's); a period is 1 block, or selective AC's `selective_every` (blocks alternate).
+# first's); a period is 1 block, or selective AC's `selective_every` (blocks alternate). A shallow
+# trace needs 2 x FROM_START_PERIODS periods for every label to mean the same block at both depths
+# (estimate.MIN_SHALLOW_PERIODS).
 FROM_START_PERIODS = 2
 
 
@@ -188,7 +191,10 @@ def block_locator(parts: list, period: int) -> Callable[[str, set[str], bool], s
             place = str(i if i < FROM_START_PERIODS * period else i - n)
         else:
             top = "top>" if seen["block"] else "top<"
-            place = next((m.rpartition(".")[2] for m in modules if m.rpartition(".")[2] in TOP_LEVEL), top)
+            names = {m.rpartition(".")[2] for m in modules}
+            place = next(
+                (n for n in TOP_LEVEL if n in names), top
+            )  # in a fixed order: the same in every trace
         return ("B" if backward else "F") + place
 
     return locate

@@ -82,18 +82,18 @@ class StepMemTracker(MemTracker):
     per-module statistics would mix microbatches; we read only the step's totals (kept
     by the dispatch mode, not these hooks), so the repeat is let through unrecorded."""
 
-    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
-        try:
-            super()._pre_fw_hook(module, inputs)
-        except NotImplementedError:
-            pass  # raised before any state changed; the module keeps its first stats
-
     def __init__(self) -> None:
         super().__init__()
         self.phase = "step"  # what the step is doing now (the caller sets it)
         # (the modules running, backward?) -> where in the phase: each place keeps its own peak
         self.locate: Callable[[str, set[str], bool], str] | None = None
         self.phase_peaks: dict[str, dict] = {}  # {phase[:place]: {device: snapshot at its peak}}
+
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            pass  # raised before any state changed; the module keeps its first stats
 
     def _update_peak_stats(self, peak_state) -> None:
         # Only the step's and the phases' peaks are read. torch also walks every module's statistics
