@@ -20,7 +20,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
-from meshforge.cli.parsers import run_parser, subcommand_parsers
+from meshforge.cli.parsers import parse_axes, run_parser, subcommand_parsers
 from meshforge.cli.run import run_loaded, wide
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
 from meshforge.configs.explain import explain_table
@@ -28,7 +28,6 @@ from meshforge.core.errors import (
     EXIT_INTERRUPTED,
     Interrupted,
     MeshforgeError,
-    Problem,
     RecipeError,
     UsageError,
 )
@@ -45,7 +44,8 @@ def main(command: Callable[[argparse.Namespace], int | None], args: argparse.Nam
         return command(args) or 0
     except RecipeError as e:
         err_console.print(
-            f"[bold red]error:[/] {escape(e.source)}: {len(e.problems)} problem(s) in the recipe"
+            f"[bold red]error:[/] {escape(e.source)}: {len(e.problems)} problem(s)"
+            + (" in the recipe" if e.kind == "recipe" else "")
         )
         for p in e.problems:  # the values and messages are text, not markup ('[/path/file.cc:553]')
             err_console.print(
@@ -144,16 +144,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     recipe_arg, overrides = _split_positionals(args.items)
     path = resolve_recipe_path(recipe_arg)
     world = _world_for(path, overrides, args.world or args.nproc)
-    axes = {}
-    for a in args.axis:
-        key, sep, values = a.partition("=")
-        if not sep or not values:
-            raise RecipeError(
-                [Problem("--axis", a, "expected KEY=V1,V2, e.g. pp.schedule=1F1B,GPipe")], "sweep"
-            )
-        axes[key] = values.split(",")
+    axes = parse_axes(args.axis)
     sweep_dir = Path(args.sweep_dir) if args.sweep_dir else None
     run_sweep(str(path), overrides, world, axes, sweep_dir, console, plan_only=args.plan)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from meshforge.experiments.tune import tune
+    from meshforge.simulate.calibrate import local_profile
+
+    recipe_arg, overrides = _split_positionals(args.items)
+    path = resolve_recipe_path(recipe_arg)
+    world = _world_for(path, overrides, args.world)
+    profile = local_profile(args.profile, args.calibrate, args.profile_out, world, console)
+    tune_dir = Path(args.tune_dir) if args.tune_dir else None
+    tune(str(path), overrides, world, profile, parse_axes(args.axis), args.top, args.plan, tune_dir, console)
     return 0
 
 
@@ -290,6 +296,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "init": cmd_init,
     "import": cmd_init,
     "sweep": cmd_sweep,
+    "tune": cmd_tune,
     "compare": cmd_compare,
     "estimate": cmd_estimate,
     "parity": cmd_parity,

@@ -8,6 +8,21 @@ import argparse
 from meshforge.configs.explain import fields_help
 
 
+def parse_axes(items: list[str]) -> dict[str, list[str]]:
+    """--axis KEY=V1,V2 (repeatable) -> {KEY: [V1, V2]}."""
+    from meshforge.configs import Problem, RecipeError
+
+    axes = {}
+    for a in items:
+        key, sep, values = a.partition("=")
+        if not sep or not values:
+            raise RecipeError(
+                [Problem("--axis", a, "expected KEY=V1,V2, e.g. pp.schedule=1F1B,GPipe")], "sweep"
+            )
+        axes[key] = values.split(",")
+    return axes
+
+
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep", action="store_true", help="try every valid mesh of --world ranks (see meshforge sweep)"
@@ -108,6 +123,31 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     )
     sw = _recipe_items(add("sweep", "try every valid mesh shape of a recipe; rank the layouts"))
     add_sweep_args(sw)
+    tun = _recipe_items(
+        add(
+            "tune",
+            "predict every layout's step time before launching, rank those that fit, confirm the "
+            "top ones by short runs (--calibrate: measure this machine's profile first)",
+        ),
+        nproc=False,
+    )
+    tun.add_argument("--world", type=int, default=None, help="world size (default: the recipe's mesh)")
+    tun.add_argument(
+        "--profile", default=None, help="h100, h200 or a profile TOML (default: this machine's, calibrated)"
+    )
+    tun.add_argument(
+        "--axis", action="append", default=[], metavar="KEY=V1,V2", help="a policy axis (repeatable)"
+    )
+    tun.add_argument("--top", type=int, default=3, help="how many of the best predicted points to run")
+    tun.add_argument("--plan", action="store_true", help="predict and rank only; launch nothing")
+    tun.add_argument("--tune-dir", default=None, help="folder (default: <output_dir>/tune-<recipe>-w<world>)")
+    tun.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (matmul and memory rates, collectives of 2..world ranks) and "
+        "write its profile (--profile-out) before anything else",
+    )
+    tun.add_argument("--profile-out", default=None, help="where --calibrate writes the profile")
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
     cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
     cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")

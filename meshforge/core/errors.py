@@ -45,9 +45,10 @@ class RecipeError(MeshforgeError, ValueError):
 
     exit_code = EXIT_USAGE
 
-    def __init__(self, problems: Sequence[Problem], source: str = "recipe"):
+    def __init__(self, problems: Sequence[Problem], source: str = "recipe", kind: str = "recipe"):
         self.problems = list(problems)
         self.source = source
+        self.kind = kind  # what the problems are in: a recipe, a hardware profile
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{source}: {len(self.problems)} problem(s)\n{lines}")
 

@@ -76,7 +76,7 @@ def sweep_points(world: int, axes: dict[str, list[str]], experts: int = 0) -> li
     return points
 
 
-def _run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
+def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
     """Run one point in its own process group; (status, error tail)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -107,7 +107,7 @@ def run_sweep(
     estimate and whether it fits, launch nothing, write nothing."""
     console = console or Console(soft_wrap=True)
     recipe_path = str(Path(recipe_path).resolve())  # Slurm jobs run it from elsewhere
-    base = load_recipe(recipe_path, [*overrides, *_mesh_for(world)], world_size=world)
+    base = load_recipe(recipe_path, [*overrides, *mesh_for(world)], world_size=world)
     sw = base.sweep
     sw.axes = {**sw.axes, **(axes or {})}
     stem = Path(recipe_path).stem
@@ -141,7 +141,7 @@ def run_sweep(
             elif old.get("status") in ("queued", "running") and old.get("job_id"):
                 active[old["job_id"]] = (i, old)  # submitted by an earlier run: ask the scheduler again
             else:
-                planned.append(_plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool))
+                planned.append(plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool))
         for i, pt, row, recipe, traces in planned:
             if traces is not None:
                 _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
@@ -150,7 +150,7 @@ def run_sweep(
             if row["status"] in ("refused", "skipped"):
                 append_row(record, row, console, i, n)
             else:
-                todo.append((i, pt, row, recipe, _command(recipe_path, row)))
+                todo.append((i, pt, row, recipe, point_command(recipe_path, row)))
     if plan_only:
         _print_plan([p[2] for p in planned], sw.device_memory_gib, console)
         console.print(
@@ -162,7 +162,7 @@ def run_sweep(
     else:
         for i, pt, row, _, command in todo:
             start = time.monotonic()
-            status, error = _run_point(command, sw.timeout_s, sweep_dir / f"{pt.label}.log")
+            status, error = run_point(command, sw.timeout_s, sweep_dir / f"{pt.label}.log")
             row.update(status=status, error=error, wall_s=round(time.monotonic() - start, 1))
             if status == "finished":
                 row.update(measure(sweep_dir / pt.label))
@@ -171,7 +171,7 @@ def run_sweep(
     return sweep_dir
 
 
-def _plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool) -> tuple:
+def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool) -> tuple:
     """Validate one point and start its traced estimate; (i, point, row, recipe, traces)."""
     row = {"label": pt.label, "mesh": pt.mesh, "policy": pt.policy, "overrides": pt.overrides()}
     row["run_overrides"] = [
@@ -228,7 +228,7 @@ def _print_plan(rows: list[dict], device_memory_gib: float | None, console: Cons
         out.print("fit not judged: set sweep.device_memory_gib (the GPU's memory in GiB)", highlight=False)
 
 
-def _command(recipe_path: str, row: dict) -> list[str]:
+def point_command(recipe_path: str, row: dict) -> list[str]:
     # the sweep's log level, said on the command line: it holds for local points and Slurm jobs alike
     return [
         sys.executable,
@@ -282,7 +282,7 @@ def _report(base: Recipe, group: str, sweep_dir: Path, record: Path, console: Co
     _log_wandb_table(base, group, rows, sweep_dir)
 
 
-def _mesh_for(world: int) -> list[str]:
+def mesh_for(world: int) -> list[str]:
     # the base recipe is validated on a 1-D mesh of `world`; each point sets its own
     return ParallelDims(dp_shard=world).overrides()
 
@@ -328,34 +328,34 @@ def summary_table(rows: list[dict]) -> Table:
 
 
 def _log_wandb_table(base: Recipe, group: str, rows: list[dict], sweep_dir: Path) -> None:
-    """The sweep summary as a W&B Table in the sweep's group, job_type sweep-summary (offline
-    without a key), in the sweep folder."""
+    """The sweep summary as a W&B Table in the sweep's group, job_type sweep-summary."""
+    columns = ["tokens_per_sec", "step_time", "final_loss"]
+    log_wandb_table(base, group, "sweep_summary", rows, columns, sweep_dir)
+
+
+def log_wandb_table(
+    base: Recipe, group: str, key: str, rows: list[dict], columns: list[str], folder: Path
+) -> None:
+    """Rows of points (label, status, mesh, then `columns`) as a W&B Table under `key`, in a run
+    of the group named and typed after it (sweep_summary: job_type sweep-summary), offline
+    without a key, in `folder`."""
     if not base.logging.wandb:
         return
-    settings = {**wandb_settings(base.logging), "group": group, "job_type": "sweep-summary"}
+    name = key.replace("_", "-")
+    settings = {**wandb_settings(base.logging), "group": group, "job_type": name}
     if settings["mode"] == "disabled":
         return
-    import wandb  # slow to import: only when the sweep logs its table
+    import wandb  # slow to import: only when a table is logged
 
-    cols = [
-        "label",
-        "status",
-        *LAYOUT_DIMS,
-        "tokens_per_sec",
-        "step_time",
-        "final_loss",
-    ]
-    table = wandb.Table(columns=cols)
+    table = wandb.Table(columns=["label", "status", *LAYOUT_DIMS, *columns])
     for r in rows:
         mesh = [ParallelDims.from_degrees(r["mesh"]).degrees[k] for k in LAYOUT_DIMS]
-        table.add_data(
-            r["label"], r["status"], *mesh, r.get("tokens_per_sec"), r.get("step_time"), r.get("final_loss")
-        )
+        table.add_data(r["label"], r["status"], *mesh, *[r.get(c) for c in columns])
     run = wandb.init(
-        name="sweep-summary",
-        dir=str(sweep_dir),
+        name=name,
+        dir=str(folder),
         settings=wandb.Settings(init_timeout=60, silent=True),
         **settings,
     )
-    run.log({"sweep_summary": table})
+    run.log({key: table})
     run.finish()

@@ -58,7 +58,8 @@ class Extrapolated:
     def result(self) -> dict:
         """Every phase's peak extrapolated on its own (the step's peak can move to another phase
         with depth: llm_1b cp4-pp2 and qwen3_30b_a3b dp8 did), the highest of them."""
-        low, high = self.low.result()["phases"], self.high.result()["phases"]
+        low_trace, high_trace = self.low.result(), self.high.result()
+        low, high = low_trace["phases"], high_trace["phases"]
         if missing := [p for p in low if p not in high]:  # a label that moved: the extrapolation is off
             raise RuntimeError(f"estimate: places of the shallow trace missing one period deeper: {missing}")
         deep = [
@@ -66,7 +67,31 @@ class Extrapolated:
             for p in low
             if p in high
         ]
-        return max(deep, key=lambda c: c["total"])  # a tie: the first in the step, as a tracker
+        peak = max(deep, key=lambda c: c["total"])  # a tie: the first in the step, as a tracker
+        return {**peak, "work": extrapolate_work(low_trace["work"], high_trace["work"], self.periods)}
+
+
+def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
+    """A trace's work (op_costs) at the real depth: each phase's FLOPs, bytes, op and collective
+    counts grow by the same amount with each further period, as its memory does."""
+
+    def line(a: float, b: float) -> float:
+        return max(0.0, a + (b - a) * periods)
+
+    costs = {}
+    for phase, hi in high["costs"].items():
+        lo = low["costs"].get(phase, {"flops": {}, "memory_bytes": 0, "ops": 0, "collectives": []})
+        counts = {tuple(c[:-1]): c[-1] for c in lo["collectives"]}
+        grown = {tuple(c[:-1]): c[-1] for c in hi["collectives"]}
+        costs[phase] = {
+            "flops": {d: line(lo["flops"].get(d, 0.0), f) for d, f in hi["flops"].items()},
+            "memory_bytes": line(lo["memory_bytes"], hi["memory_bytes"]),
+            "ops": line(lo["ops"], hi["ops"]),
+            "collectives": [
+                [*key, line(counts.get(key, 0), grown.get(key, 0))] for key in {**counts, **grown}
+            ],
+        }
+    return {**high, "costs": costs}
 
 
 def submit_trace(recipe: Recipe, rank: int, pool):
@@ -134,7 +159,8 @@ def submit_roles(recipe: Recipe, pool) -> list:
 
 def heaviest(results: list) -> dict:
     per_role = [
-        {k: v for k, v in r.result().items() if k != "phases"} | {"rank": rank} for rank, r in results
+        {k: v for k, v in r.result().items() if k not in ("phases", "work")} | {"rank": rank}
+        for rank, r in results
     ]
     return max(per_role, key=lambda p: p["total"])
 

@@ -21,11 +21,13 @@ from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_catego
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, cross_entropy_sum
 from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank
+from meshforge.simulate.op_costs import CostRecorder
 
 
 def trace_rank(recipe: Recipe, rank: int) -> dict:
-    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc), and under
-    `phases` each place's own peak by category (block_locator). Run it in a fresh process
+    """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc), under
+    `phases` each place's own peak by category (block_locator), and under `costs` each phase's
+    work (op_costs.CostRecorder). Run it in a fresh process
     (trace_pool): torch caches plans by mesh layout across traces."""
     with (
         simulated_rank(recipe, rank) as (dims, meshes, pmodel),
@@ -47,7 +49,9 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         tracker = make_tracker(pmodel.parts, optimizers)
         ac = recipe.activation_checkpoint
         tracker.locate = block_locator(pmodel.parts, ac.selective_every if ac.mode == "selective" else 1)
+        recorder = CostRecorder(lambda: tracker.phase)  # below the tracker: it sees what the step runs
         with (
+            recorder,
             tracker,
             StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"),
             quiet_embedding_view_warning(),
@@ -62,7 +66,13 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
                 opt.zero_grad(set_to_none=True)
         on_device = (lambda c: off_the_device(c, offloaded)) if recipe.fsdp.cpu_offload else dict
         phases = {p: on_device(c) for p, c in phase_peak_categories(tracker).items()}
-        return {**on_device(peak_categories(tracker)), "phases": phases}
+        shape, dtype = stage_boundary(recipe, dims)
+        work = {
+            "costs": recorder.result(),
+            "actions": actions,
+            "boundary_bytes": shape[0] * shape[1] * shape[2] * dtype.itemsize,
+        }
+        return {**on_device(peak_categories(tracker)), "phases": phases, "work": work}
 
 
 def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
@@ -121,16 +131,24 @@ def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
                 }
 
 
+def stage_boundary(recipe: Recipe, dims) -> tuple[tuple[int, int, int], torch.dtype]:
+    """The shape and dtype of what a pipeline stage sends the next (a microbatch's hidden states:
+    this rank's part of the sequence under cp, and of that under sequence parallel)."""
+    r = recipe
+    mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
+    tokens = r.train.seq_len // dims.cp
+    sp = dims.tp_enabled and r.tp.sequence_parallel
+    dtype = DTYPES[r.fsdp.param_dtype] if fsdp_applies(dims, r.fsdp) else torch.float32
+    return (mb, tokens // dims.tp if sp else tokens, args_from_config(r.model).dim), dtype
+
+
 def _run_actions(recipe: Recipe, dims, pmodel, actions: list[tuple[int, str, int]], tracker) -> None:
     """Forwards and backwards in the given order, each forward's output kept until its backward;
     each action a phase of the tracker (its index: the same actions at every depth)."""
     r, args = recipe, args_from_config(recipe.model)
     last_stage = dims.pp * r.pp.stages_per_rank - 1
-    mb = r.train.micro_batch_size // (r.pp.microbatches if dims.pp_enabled else 1)
-    sp = dims.tp_enabled and r.tp.sequence_parallel
-    tokens = r.train.seq_len // dims.cp  # this rank's part of every sequence under cp
-    boundary = (mb, tokens // dims.tp if sp else tokens, args.dim)  # what a stage sends
-    act_dtype = DTYPES[r.fsdp.param_dtype] if fsdp_applies(dims, r.fsdp) else torch.float32
+    boundary, act_dtype = stage_boundary(recipe, dims)
+    mb, tokens = boundary[0], r.train.seq_len // dims.cp  # this rank's part of every sequence under cp
     parts = dict(zip(pmodel.stage_ids, pmodel.parts))
     live: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output awaiting its backward
     for i, (stage, kind, m) in enumerate(actions):

@@ -1,0 +1,237 @@
+"""`meshforge tune`: the fastest layout that fits, predicted before launching and then proved.
+
+Every layout x policy point of a recipe (the sweep's grid: sweep.py) is validated and traced
+once on a pool of simulated ranks; the trace gives its peak memory (estimate.py) and its work
+(op_costs.py), which simulate/step_time.py prices with a hardware profile (hardware.py). Points
+that do not fit are dropped, the rest ranked by predicted step time. Then the top k, and the
+recipe's own point, run for a few steps as sweep points do, and the table shows predicted next
+to measured. `tune.jsonl` keeps every row, `tune-best.toml` is the recipe with the winner's
+overrides, and W&B gets the table (offline without a key). `--plan` stops after the prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from meshforge.configs import Problem, RecipeError, load_config
+from meshforge.configs.loader import recipe_to_toml
+from meshforge.core.topology import ParallelDims
+from meshforge.core.units import GiB
+from meshforge.experiments.sweep import (
+    log_wandb_table,
+    mesh_for,
+    plan_point,
+    point_command,
+    point_label,
+    run_point,
+    select_points,
+    sweep_points,
+)
+from meshforge.experiments.sweep_record import measure
+from meshforge.models import args_from_config
+from meshforge.parallelisms.fsdp import fsdp_applies
+from meshforge.recipe import experts_of, load_recipe
+from meshforge.run.launch.plan import make_plan
+from meshforge.run.observe.flops import flops_per_token
+from meshforge.simulate.estimate import heaviest, trace_pool
+from meshforge.simulate.hardware import Profile
+from meshforge.simulate.step_time import predict_step
+
+# What the traced step cannot tell apart, so tune cannot rank it: compile's fused kernels are
+# not traced (the trace runs eager), and a memory budget is the compiler's partitioner
+UNTRACED = {
+    "compile.enabled": "the trace runs eager: compiled kernels' time is not modelled",
+    "activation_checkpoint.memory_budget": "the compiler's partitioner decides what is saved; not traced",
+}
+
+
+def tune(
+    recipe_path: str,
+    overrides: list[str],
+    world: int,
+    profile: Profile,
+    axes: dict[str, list[str]],
+    top_k: int,
+    plan_only: bool,
+    tune_dir: Path | None,
+    console: Console,
+) -> Path:
+    """Predict, rank and (unless `plan_only`) confirm every point; returns the tune folder."""
+    started = time.monotonic()
+    recipe_path = str(Path(recipe_path).resolve())
+    base = load_recipe(recipe_path, [*overrides, *mesh_for(world)], world_size=world)
+    sw = base.sweep
+    axes = {**sw.axes, **axes}
+    _refuse_untraced(axes)
+    stem = Path(recipe_path).stem
+    tune_dir = (tune_dir or Path(base.output_dir) / f"tune-{stem}-w{world}").resolve()
+    group = base.logging.wandb_group or f"{stem}/{tune_dir.name}"
+    experts = experts_of(base)
+    points = select_points(sweep_points(world, axes, experts), sw.only, world, experts)
+    own = _own_label(recipe_path, overrides, axes)
+    console.print(
+        f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
+    )
+    limit = sw.device_memory_gib or profile.device_memory_gib or None
+    with trace_pool() as pool:
+        planned = [
+            plan_point(i, pt, recipe_path, overrides, world, sw, group, tune_dir, pool)
+            for i, pt in enumerate(points, 1)
+        ]
+        rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]
+    ranked = rank_predicted(rows)
+    console.print(predicted_table(ranked, profile, limit))
+    for r in rows:
+        if r["status"] in ("refused", "skipped"):
+            console.print(f"  {r['label']}: {r['status']}: {r['error']}", highlight=False)
+    console.print(f"predicted {len(rows)} points in {time.monotonic() - started:.0f} s", highlight=False)
+    if plan_only:
+        return tune_dir
+    tune_dir.mkdir(parents=True, exist_ok=True)
+    record = tune_dir / "tune.jsonl"
+    chosen = ranked[:top_k] + [r for r in ranked[top_k:] if r["label"] == own]
+    for r in chosen:
+        console.print(f"confirming {r['label']} ({sw.steps} steps) ...", highlight=False)
+        status, error = run_point(point_command(recipe_path, r), sw.timeout_s, tune_dir / f"{r['label']}.log")
+        r.update(status=status, error=error)
+        if status == "finished":
+            r.update(measured=measure(tune_dir / r["label"]))
+    with open(record, "w") as f:
+        for r in rows:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "traced"}) + "\n")
+    console.print(confirmed_table(chosen, own))
+    _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console)
+    flat = [{**r, **_flat(r)} for r in chosen]
+    log_wandb_table(base, group, "tune_summary", flat, list(_flat(chosen[0])) if chosen else [], tune_dir)
+    return tune_dir
+
+
+def _refuse_untraced(axes: dict[str, list[str]]) -> None:
+    if bad := [k for k in axes if k in UNTRACED]:
+        raise RecipeError(
+            [
+                Problem(f"--axis {k}", axes[k], f"tune cannot rank it: {UNTRACED[k]}; sweep it instead")
+                for k in bad
+            ],
+            "tune",
+            "command",
+        )
+
+
+def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]]) -> str:
+    """The label the recipe's own layout and policy values have in the grid."""
+    cfg, _ = load_config(recipe_path, overrides)
+    mesh = ParallelDims.from_config(cfg.mesh).degrees
+    policy = {}
+    for key in axes:
+        section, _, field = key.rpartition(".")
+        value = cfg
+        for part in section.split("."):
+            value = getattr(value, part)
+        policy[key] = str(getattr(value, field))
+    return point_label(mesh, policy)
+
+
+def _predict(row: dict, recipe, traces, profile: Profile, limit: float | None) -> dict:
+    """The point's traced peak memory and predicted step; `skipped` where it does not fit."""
+    if traces is None:
+        return row
+    dims = ParallelDims.from_config(recipe.mesh)
+    peak = heaviest(traces)
+    works = {dims.coordinate(rank)["pp"]: t.result()["work"] for rank, t in traces}
+    p = predict_step(works, dims, recipe.train.grad_accum_steps, profile)
+    tokens = recipe.train.global_batch_size * recipe.train.seq_len
+    per_device = tokens / p.step_s / dims.world_size
+    # MFU against the profile's peak (a GPU's datasheet, a CPU's measured rate), as a run reports it
+    peak_flops = profile.peak_flops.get(
+        recipe.fsdp.param_dtype if fsdp_applies(dims, recipe.fsdp) else "float32"
+    )
+    flops = flops_per_token(args_from_config(recipe.model), recipe.train.seq_len, make_plan(recipe).n_params)
+    mfu = flops * per_device / peak_flops if peak_flops else None
+    row.update(
+        status="planned",
+        estimate_gib=round(peak["total"] / GiB, 3),
+        predicted={**p.as_dict(), "tokens_per_sec_per_device": round(per_device, 1), "mfu": mfu},
+    )
+    if limit is not None and peak["total"] > limit * GiB:
+        row.update(status="skipped", error=f"estimate {row['estimate_gib']} GiB > {limit} GiB")
+    return row
+
+
+def rank_predicted(rows: list[dict]) -> list[dict]:
+    """Points that fit, fastest predicted first."""
+    return sorted((r for r in rows if r["status"] == "planned"), key=lambda r: r["predicted"]["step_s"])
+
+
+def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> Table:
+    fits = f"fits in {limit} GiB" if limit else "fit not judged (no device memory)"
+    table = Table(title=f"tune: predicted on {profile.name}, fastest first ({fits})")
+    for col in ("#", "point", "step s", "tokens/s/device", "MFU", "peak GiB", "bubble", "comm share"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    for i, r in enumerate(rows, 1):
+        p = r["predicted"]
+        table.add_row(
+            str(i),
+            r["label"],
+            f"{p['step_s']:.4f}",
+            f"{p['tokens_per_sec_per_device']:,.0f}",
+            f"{p['mfu']:.1%}" if p.get("mfu") is not None else "",
+            f"{r['estimate_gib']:.2f}",
+            f"{p['bubble']:.1%}",
+            f"{p['exposed_comm_s'] / p['step_s']:.1%}",
+        )
+    return table
+
+
+def _flat(r: dict) -> dict:
+    m = r.get("measured") or {}
+    return {
+        "predicted_step_s": r["predicted"]["step_s"],
+        "measured_step_s": m.get("step_time"),
+        "error": m["step_time"] and r["predicted"]["step_s"] / m["step_time"] - 1
+        if m.get("step_time")
+        else None,
+        "tokens_per_sec": m.get("tokens_per_sec"),
+    }
+
+
+def confirmed_table(rows: list[dict], own: str) -> Table:
+    table = Table(title="tune: predicted vs measured (steady steps)")
+    for col in ("point", "predicted step s", "measured step s", "error", "measured tokens/s", "status"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    for r in rows:
+        f = _flat(r)
+        table.add_row(
+            r["label"] + (" (the recipe's)" if r["label"] == own else ""),
+            f"{f['predicted_step_s']:.4f}",
+            f"{f['measured_step_s']:.4f}" if f["measured_step_s"] else "",
+            f"{f['error']:+.1%}" if f["error"] is not None else "",
+            f"{f['tokens_per_sec']:,.0f}" if f["tokens_per_sec"] else "",
+            r["status"] if r["status"] == "finished" else f"[red]{r['status']}[/]",
+        )
+    return table
+
+
+def _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console) -> None:
+    """The fastest measured point: its overrides, its speedup over the recipe's own point, and
+    the recipe with its overrides written out."""
+    finished = [r for r in chosen if r["status"] == "finished"]
+    if not finished:
+        console.print("no confirmed point finished: nothing to recommend", highlight=False)
+        return
+    best = min(finished, key=lambda r: r["measured"]["step_time"])
+    line = f"fastest measured: [bold]{best['label']}[/] ({best['measured']['tokens_per_sec']:,.0f} tokens/s)"
+    mine = next((r for r in finished if r["label"] == own), None)
+    if mine and mine is not best:
+        line += (
+            f", {mine['measured']['step_time'] / best['measured']['step_time']:.2f}x the recipe's own ({own})"
+        )
+    out = tune_dir / "tune-best.toml"
+    recipe = load_recipe(recipe_path, [*overrides, *best["overrides"]], world_size=world)
+    out.write_text(f"# meshforge tune: {best['label']}, from {recipe_path}\n" + recipe_to_toml(recipe))
+    console.print(f"{line}; recipe: {out}", highlight=False)

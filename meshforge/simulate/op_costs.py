@@ -1,0 +1,136 @@
+"""What one rank's traced step asks of its device, phase by phase: matmul FLOPs by dtype, bytes
+moved by the other (memory-bound) ops, how many ops it dispatches, and every collective (kind,
+bytes, the ranks of its group). Device-independent: step_time.py prices it with a hardware
+profile. Recorded by `CostRecorder` beside the memory tracker in the same traced step
+(trace.py), so the memory estimate and the time estimate read one trace.
+
+Counted on the rank's local tensors: an op on DTensors is passed on (NotImplemented) to
+DTensor, whose local ops come back through the recorder, so a TP rank's matmul counts its
+shard of the FLOPs and DTensor's own redistributions count as the collectives they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+aten, c10d, functional = torch.ops.aten, torch.ops.c10d, torch.ops._c10d_functional
+
+# torch's CPU flash attention is missing from its FLOP registry: the same formula as its CUDA twins
+_CPU_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
+        q.shape, k.shape, v.shape
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, **kw: (
+        sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape)
+    ),
+}
+
+# collective op -> (kind, index of the tensor whose size is the collective's: the gathered
+# output, the unreduced input). wait ops and views of buffers cost nothing here.
+COLLECTIVES = {
+    c10d._allgather_base_: ("all_gather", 0),
+    c10d._reduce_scatter_base_: ("reduce_scatter", 1),
+    c10d.allreduce_: ("all_reduce", 0),
+    c10d.alltoall_base_: ("all_to_all", 1),
+    c10d.broadcast_: ("broadcast", 0),
+    functional.all_gather_into_tensor: ("all_gather", -1),  # -1: the output
+    functional.all_gather_into_tensor_out: ("all_gather", -1),
+    functional.reduce_scatter_tensor: ("reduce_scatter", 0),
+    functional.all_reduce: ("all_reduce", 0),
+    functional.all_to_all_single: ("all_to_all", 0),
+    functional.broadcast: ("broadcast", 0),
+}
+# FSDP's own collectives run beside compute (prefetched all-gathers, reduce-scatters behind the
+# backward); DTensor's (TP, CP, EP: functional collectives) sit on the critical path
+OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_}
+
+# ops that move no data: metadata, views, fresh (uninitialised) buffers
+FREE = {aten.empty, aten.empty_strided, aten.empty_like, aten.detach, aten.lift_fresh, aten.alias}
+
+
+@dataclasses.dataclass
+class PhaseCost:
+    """One phase of a rank's step (an action of its schedule, the reduction, the optimizer)."""
+
+    flops: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))  # by dtype
+    memory_bytes: float = 0.0  # read + written by the ops that are not matmuls
+    ops: int = 0  # local ops dispatched (each has a fixed host cost on top of its work)
+    # (kind, bytes, group ranks, overlapped) -> count
+    collectives: Counter = dataclasses.field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {
+            "flops": dict(self.flops),
+            "memory_bytes": self.memory_bytes,
+            "ops": self.ops,
+            "collectives": [[*key, n] for key, n in self.collectives.items()],
+        }
+
+
+class CostRecorder(TorchDispatchMode):
+    """Counts each op of a traced step into the phase `phase()` names (see module doc)."""
+
+    def __init__(self, phase: Callable[[], str | None]):
+        super().__init__()
+        self.phase = phase
+        self.phases: dict[str, PhaseCost] = defaultdict(PhaseCost)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = tree_leaves((args, kwargs))
+        cost = self.phases[self.phase() or "setup"]
+        if any(isinstance(t, DTensor) for t in leaves):
+            return NotImplemented  # DTensor runs it; its local ops come back here
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in COLLECTIVES:
+            kind, index = COLLECTIVES[packet]
+            sized = out if index == -1 else args[index]
+            sized = sized[0] if isinstance(sized, list | tuple) else sized
+            group = _group_ranks(_group_arg(func, args, kwargs))
+            cost.collectives[(kind, _nbytes(sized), group, packet in OVERLAPPED)] += 1
+        elif func.is_view or packet in FREE or not any(isinstance(t, torch.Tensor) for t in leaves):
+            pass
+        elif packet in flop_registry or packet in _CPU_ATTENTION:
+            formula = _CPU_ATTENTION.get(packet) or flop_registry[packet]
+            cost.flops[str(args[0].dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
+            cost.ops += 1
+        else:
+            moved = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            cost.memory_bytes += sum(_nbytes(t) for t in moved)
+            cost.ops += 1
+        return out
+
+    def result(self) -> dict[str, dict]:
+        return {phase: cost.as_dict() for phase, cost in self.phases.items()}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_arg(func, args, kwargs):
+    """A collective's group argument (c10d: `process_group`; functional: `group_name`)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in ("process_group", "group_name"):
+            return kwargs[a.name] if a.name in kwargs else args[i]
+    raise RuntimeError(f"{func}: no group argument in its schema")
+
+
+def _group_ranks(group) -> tuple[int, ...]:
+    """The global ranks of a collective's group: a functional collective names it, a c10d op
+    passes the process group itself."""
+    if isinstance(group, torch.ScriptObject):
+        group = ProcessGroup.unbox(group)
+    name = group if isinstance(group, str) else group.group_name
+    return tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name)))

@@ -1,0 +1,199 @@
+"""A training step's time, predicted from the traced work of each role (op_costs) and a hardware
+profile (hardware.py), before anything runs. `meshforge tune` ranks layouts by it.
+
+Per phase of a rank's step (an action of its schedule, the gradient reduction, the optimizer):
+    compute  = sum over dtypes of matmul FLOPs / matmul rate
+               + bytes the other ops move / memory bandwidth + ops x host cost per op
+    comm     = sum over collectives of latency + bytes x factor / bandwidth (of its group's link)
+    time     = blocking comm + max(compute, FSDP comm)       on a GPU (FSDP prefetches its
+                                                              all-gathers, reduce-scatters behind)
+             = compute + comm                                 on CPU ranks (gloo's copies and
+                                                              reductions run on the same cores)
+Pipelines: every pp rank's actions in its schedule's order, each waiting for what it needs (the
+previous stage's forward, the next stage's backward, plus the send between them): the makespan is
+the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
+profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
+ranks leave their cores to the others (processor sharing). The step ends with every rank's
+reduction and optimizer step (the gradient norm synchronises them).
+
+Ignored (said where the tune prints): the gradient-norm and loss all-reduces (a few scalars), the
+data loader, the host work between steps, and kernel overlap inside a phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshforge.simulate.hardware import Profile
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseTime:
+    compute_s: float  # at the rank's full rate (alone on its device or cores), matmuls included
+    matmul_s: float  # the matmuls' part of it
+    comm_s: float  # every collective's time
+    exposed_comm_s: float  # the part of comm_s not hidden behind compute (on a GPU)
+
+
+def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
+    """One phase's compute and communication (module doc)."""
+    matmul = sum(f / profile.matmul_rate(d) for d, f in cost["flops"].items())
+    compute = matmul + cost["memory_bytes"] / profile.memory_Bps + cost["ops"] * profile.op_overhead_s
+    hidden = blocking = 0.0
+    for kind, nbytes, ranks, overlapped, count in cost["collectives"]:
+        crosses = len({r // profile.ranks_per_node for r in ranks}) > 1
+        t = count * profile.collective_time(kind, nbytes, len(ranks), crosses)
+        if overlapped and overlap:
+            hidden += t
+        else:
+            blocking += t
+    exposed = blocking + max(0.0, hidden - compute)
+    return PhaseTime(compute, matmul, blocking + hidden, exposed)
+
+
+@dataclasses.dataclass
+class StepPrediction:
+    step_s: float
+    compute_s: float  # the busiest rank's compute (at full rate)
+    comm_s: float  # the busiest rank's communication, hidden or not
+    exposed_comm_s: float
+    bubble: float  # idle share of the pp ranks' time in the schedule (0 without pipelining)
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 6) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass
+class Action:
+    """A piece of a rank's timeline: `work` seconds of compute at full rate (slowed when cores are
+    shared), then `wall` seconds that run regardless (exposed communication)."""
+
+    key: tuple[int, str, int]  # (stage, kind, microbatch)
+    work: float
+    wall: float
+
+
+def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile) -> StepPrediction:
+    """The step time of a layout from its roles' traced work (`works`: pp rank -> trace `work`;
+    one role without pipelining), `grad_accum` microbatches per step without pipelining."""
+    overlap = profile.shared_cores == 0
+    timelines, totals = {}, {}
+    for pp_rank, work in works.items():
+        phases = {p: phase_time(c, profile, overlap) for p, c in work["costs"].items()}
+        tail = [phases[p] for p in ("reduce", "optimizer") if p in phases]
+        timelines[pp_rank] = [
+            *_actions(work, phases, grad_accum, dims.pp_enabled),
+            Action(TAIL, sum(t.compute_s for t in tail), sum(t.exposed_comm_s for t in tail)),
+        ]
+        every = _repeated(work, phases, grad_accum, dims.pp_enabled)
+        totals[pp_rank] = [
+            sum(getattr(t, f) for t in every) for f in ("compute_s", "comm_s", "exposed_comm_s")
+        ]
+    send = 0.0
+    if dims.pp_enabled:
+        stride = dims.world_size // dims.pp  # pp is the outermost mesh dim
+        nbytes = next(iter(works.values()))["boundary_bytes"]
+        send = profile.collective_time("send", nbytes, 2, crosses_nodes=stride >= profile.ranks_per_node)
+    peers = dims.world_size // len(works)  # ranks that run each timeline at once (dp, cp, tp peers)
+    ends, busy = simulate_timed(timelines, send, peers, profile)
+    span = max(end for end, _ in ends.values())
+    schedule_span = max(end for _, end in ends.values())
+    bubble = 1 - sum(busy.values()) / (schedule_span * len(ends)) if dims.pp_enabled else 0.0
+    compute, comm, exposed = max(totals.values(), key=lambda t: t[0] + t[2])
+    return StepPrediction(span, compute, comm, exposed, max(0.0, bubble))
+
+
+TAIL = (-1, "tail", 0)  # the reduction and optimizer step after a rank's schedule
+
+
+def _actions(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelined: bool) -> list[Action]:
+    """The rank's schedule as timed actions. Without pipelining the trace ran at most two
+    microbatches: the second stands for every later one. A zero-bubble schedule's backward is
+    traced whole under its input half (I): here I keeps the non-matmul work and half the matmul
+    time, W the other half (weight gradients are half of a backward's matmuls)."""
+    out, split = [], {}
+    for i, (stage, kind, mb) in enumerate(work["actions"]):
+        t = phases.get(f"{i}:{kind}{stage}", PhaseTime(0.0, 0.0, 0.0, 0.0))
+        if kind == "I":
+            split[(stage, mb)] = t.matmul_s / 2
+            out.append(Action((stage, kind, mb), t.compute_s - t.matmul_s / 2, t.exposed_comm_s))
+        elif kind == "W":
+            out.append(Action((stage, kind, mb), split.get((stage, mb), 0.0), 0.0))
+        else:
+            out.append(Action((stage, kind, mb), t.compute_s, t.exposed_comm_s))
+    if not pipelined:
+        steady = out[-2:]
+        later = range(len(out) // 2, grad_accum)
+        out += [Action((0, a.key[1], m), a.work, a.wall) for m in later for a in steady]
+    return out
+
+
+def _repeated(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelined: bool) -> list[PhaseTime]:
+    """Every phase of the step as often as it runs (the second microbatch repeated without pp)."""
+    listed = list(phases.values())
+    if pipelined or grad_accum <= 2:
+        return listed
+    steady = [phases[f"{i}:{k}{s}"] for i, (s, k, _) in enumerate(work["actions"])][-2:]
+    return listed + steady * (grad_accum - 2)
+
+
+def simulate_timed(
+    timelines: dict[int, list[Action]], send_s: float, peers: int, profile: Profile
+) -> tuple[dict[int, tuple[float, float]], dict[int, float]]:
+    """Play the pp ranks' timelines (module doc): each action starts once its inputs arrived
+    (`send_s` after the neighbour's action ended); under shared cores the ranks computing at a
+    moment, each with its `peers` (the dp/cp/tp ranks doing the same at once), share the cores
+    equally. Per rank: (when it finished, when its schedule did), and its time busy in the
+    schedule."""
+    last_stage = max(a.key[0] for acts in timelines.values() for a in acts)
+    queues = {r: list(acts) for r, acts in timelines.items()}
+    ended: dict[tuple[int, str, int], float] = {}  # an action -> when it ended
+    running: dict[int, list] = {}  # rank -> [action, work left, wall left]
+    ends, busy, now = {}, dict.fromkeys(queues, 0.0), 0.0
+    threads = max(1, profile.threads_per_rank)
+    while any(queues.values()) or running:
+        for r, q in queues.items():
+            if r not in running and q and _ready(q[0].key, ended, now, send_s, last_stage):
+                a = q.pop(0)
+                running[r] = [a, a.work, a.wall]
+        computing = [r for r, s in running.items() if s[1] > 0]
+        rate = 1.0
+        if profile.shared_cores and computing:
+            rate = min(1.0, profile.shared_cores / (len(computing) * peers * threads))
+        steps = [s[1] / rate if s[1] > 0 else s[2] for s in running.values()]
+        steps += [t + send_s - now for t in ended.values() if t + send_s > now + 1e-12]
+        if not steps:
+            raise RuntimeError("the pipeline schedule deadlocks: no rank can start its next action")
+        dt = min(steps)
+        now += dt
+        for r, state in list(running.items()):
+            a = state[0]
+            if a.key != TAIL:
+                busy[r] += dt
+            if state[1] > 0:
+                state[1] = max(0.0, state[1] - dt * rate)
+            else:
+                state[2] = max(0.0, state[2] - dt)
+            if state[1] <= 1e-12 and state[2] <= 1e-12:
+                del running[r]
+                ended[a.key] = now
+                ends[r] = (now, ends.get(r, (0.0, now))[1] if a.key == TAIL else now)
+    return ends, busy
+
+
+def _ready(key: tuple[int, str, int], ended: dict, now: float, send_s: float, last_stage: int) -> bool:
+    """Whether an action may start: its own stage's earlier half done, and what the neighbour
+    stage sends arrived."""
+    stage, kind, mb = key
+
+    def arrived(k) -> bool:
+        return k in ended and ended[k] + send_s <= now + 1e-12
+
+    if kind == "tail":
+        return True
+    if kind == "F":
+        return stage == 0 or arrived((stage - 1, "F", mb))
+    if kind in "BI":
+        downstream = stage == last_stage or arrived((stage + 1, "B", mb)) or arrived((stage + 1, "I", mb))
+        return (stage, "F", mb) in ended and downstream
+    return (stage, "I", mb) in ended  # W after its input half

@@ -1,0 +1,129 @@
+"""Hardware profiles (simulate/hardware.py): the shipped files, the TOML schema, collective
+pricing, and one real calibration of this machine (simulate/calibrate.py)."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from meshforge.core.errors import RecipeError, UsageError
+from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
+from meshforge.simulate.calibrate import calibrate, fit_link
+from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def small_profile(**changes) -> Profile:
+    fields = dict(
+        name="test",
+        source="made up for a test",
+        matmul_flops={"float32": 1e11},
+        memory_Bps=1e10,
+        ranks_per_node=8,
+        links={2: Link(10e-6, 1e9), 8: Link(70e-6, 1e9)},
+    )
+    return Profile(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_shipped_profiles_load_with_achievable_rates(name):
+    profile = load_profile(name)
+    assert load_profile(str(SHIPPED[name])) == profile  # by name or by path
+    assert profile.name == name and profile.ranks_per_node == 8 and profile.calibrated_world == 0
+    peaks = GPU_PEAK_TFLOPS[name.upper()]  # run/observe/flops.py: the one table of datasheet peaks
+    for dtype, rate in profile.matmul_flops.items():
+        assert 0.6 * peaks[dtype] * 1e12 <= rate < peaks[dtype] * 1e12, dtype
+    assert sorted(profile.links) == [2, 4, 8] and profile.inter_node is not None
+    assert profile.link(8, False).bandwidth_Bps > profile.link(16, True).bandwidth_Bps  # NVLink > IB
+    assert "datasheet" in profile.source and "nccl" in profile.source
+
+
+def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
+    text = SHIPPED["h100"].read_text()
+    text = text.replace("memory_Bps =", "bandwith_Bps = 1\nmemory_Bps =")
+    text = text.replace("[links.4]\nlatency_s", "[links.4]\nlatency = 1\nlatency_s")
+    text = text.replace("float32 = 5.0e13", "float32 = -1\nfloat64 = 1e12")
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as caught:
+        load_profile(str(path))
+    fields = {p.field: p.message for p in caught.value.problems}
+    assert set(fields) == {"bandwith_Bps", "links.4.latency", "matmul_flops.float32", "matmul_flops.float64"}
+    assert "did you mean latency_s" in fields["links.4.latency"]
+    assert "unknown key" in fields["bandwith_Bps"] and "> 0" in fields["matmul_flops.float32"]
+    assert str(path) in caught.value.source
+
+
+def test_a_missing_profile_names_the_shipped_ones():
+    with pytest.raises(UsageError, match="'h1000'.*did you mean h100.*h100, h200"):
+        load_profile("h1000")
+
+
+def test_save_and_load_round_trip(tmp_path):
+    for profile in (load_profile("h200"), small_profile(shared_cores=2, calibrated_world=8)):
+        path = tmp_path / f"{profile.name}.toml"
+        save_profile(profile, path)
+        assert load_profile(str(path)) == profile
+        assert path.read_text().startswith(
+            f"# hardware profile {profile.name}\n# {profile.source.splitlines()[0]}"
+        )
+
+
+def test_collective_time_uses_the_algorithm_factors():
+    profile = small_profile()
+    link = profile.link(8, False)
+
+    def bandwidth_part(kind: str, nbytes: int = 64 * MIB) -> float:
+        return profile.collective_time(kind, nbytes, 8) - link.latency_s
+
+    assert bandwidth_part("all_reduce") == pytest.approx(2 * bandwidth_part("all_gather"))
+    assert bandwidth_part("reduce_scatter") == pytest.approx(64 * MIB * 7 / 8 / 1e9)
+    assert bandwidth_part("broadcast") == pytest.approx(64 * MIB / 1e9)
+    assert profile.collective_time("all_reduce", 64 * MIB, 1) == 0.0
+    with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
+        profile.collective_time("allreduce", 1, 8)
+
+
+def test_link_interpolates_between_measured_group_sizes():
+    profile = small_profile(inter_node=Link(50e-6, 4e8))
+    assert profile.link(2, False) == Link(10e-6, 1e9)  # measured
+    assert profile.link(3, False) == Link(pytest.approx(20e-6), 1e9)  # nearest 2, 2 ring steps for 1
+    assert profile.link(4, False) == Link(pytest.approx(30e-6), 1e9)  # a tie: the larger, 8: 3 steps of 7
+    assert profile.link(64, True) == Link(50e-6, 4e8)  # across nodes: as written
+    with pytest.raises(RecipeError, match="inter_node"):
+        small_profile().link(16, True)
+    with pytest.raises(ValueError, match="node of 8"):
+        profile.link(16, False)
+
+
+def test_a_dtype_without_a_rate_is_refused_naming_it():
+    with pytest.raises(RecipeError, match=r"(?s)hardware profile test.*'bfloat16'.*float32"):
+        small_profile().matmul_rate("bfloat16")
+
+
+def test_fit_recovers_a_known_link():
+    truth = Link(300e-6, 2e9)
+    timings = [
+        (kind, n, truth.latency_s + n * factor / truth.bandwidth_Bps)
+        for kind, factor in (("all_gather", 3 / 4), ("all_reduce", 3 / 2))
+        for n in (4 * KIB, 64 * KIB, 4 * MIB)
+    ]
+    link, error = fit_link(4, timings)
+    assert link.latency_s == pytest.approx(truth.latency_s) and link.bandwidth_Bps == pytest.approx(2e9)
+    assert error == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.slow  # multi-process: a rank server and 3 ranks, 7 s here (more on busy cores)
+def test_calibrate_measures_plausible_numbers(tmp_path):
+    out = tmp_path / "here.toml"
+    profile = calibrate(world=2, threads_per_rank=1, out=out, console=Console(width=160))
+    assert load_profile(str(out)) == profile
+    assert 1e8 < profile.matmul_rate("float32") < 1e13 and profile.matmul_rate("bfloat16") > 0
+    assert profile.memory_Bps > 0
+    assert list(profile.links) == [2] and profile.calibrated_world == 2 and profile.shared_cores >= 1
+    link = profile.link(2, False)
+    assert 0 <= link.latency_s < 0.1 and link.bandwidth_Bps > 0
+    assert profile.collective_time("all_gather", 4 * MIB, 2) > profile.collective_time(
+        "all_gather", 4 * KIB, 2
+    )

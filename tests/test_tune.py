@@ -1,0 +1,260 @@
+"""`meshforge tune`: the traced work (op_costs) against the model's own arithmetic, its
+extrapolation against the full trace, the timed pipeline against the schedule's own unit-step
+simulation, processor sharing, and the command end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import QUICK, RECIPES, run_cli
+
+from meshforge.core.topology import ParallelDims
+from meshforge.models import args_from_config, get_model_spec
+from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action
+from meshforge.recipe import load_recipe
+from meshforge.run.observe import wandb_files as wf
+from meshforge.simulate.estimate import Extrapolated, submit_trace, trace_pool
+from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile
+from meshforge.simulate.schedule import recipe_schedule_order
+from meshforge.simulate.step_time import Action, predict_step, simulate_timed
+from meshforge.simulate.trace import trace_rank
+
+ONE = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "train.global_batch_size=4"]
+LAYOUTS = {"one": [], "tp2": ["mesh.tp=2"], "fsdp2": ["mesh.dp_shard=2", "train.global_batch_size=8"]}
+
+
+def debug(*overrides: str):
+    return load_recipe(str(RECIPES / "debug_cpu.toml"), [*ONE, *overrides], world_size=None)
+
+
+@pytest.fixture(scope="module")
+def works():
+    """Rank 0's traced work on one process, TP 2 and FSDP 2 (one pool: the traces run at once)."""
+    with trace_pool() as pool:
+        futures = {name: pool.submit(trace_rank, debug(*o), 0) for name, o in LAYOUTS.items()}
+        return {name: f.result()["work"] for name, f in futures.items()}
+
+
+def matmul_params(recipe) -> int:
+    """Parameters that take part in a matmul: all but the input embedding (a lookup) and norms."""
+    with torch.device("meta"):
+        model = get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
+    return sum(
+        p.numel() for n, p in model.named_parameters() if "norm" not in n and "tok_embeddings" not in n
+    )
+
+
+def test_a_forward_counts_the_models_matmul_and_attention_flops(works):
+    r = debug()
+    a = args_from_config(r.model)
+    tokens = r.train.global_batch_size * r.train.seq_len
+    # 2 FLOPs per matmul weight per token, and QK^T and PV over the whole (unmasked) sequence
+    expected = tokens * (2 * matmul_params(r) + 4 * a.n_layers * a.n_heads * a.head_dim * r.train.seq_len)
+    forward = works["one"]["costs"]["0:F0"]
+    assert forward["flops"] == {"float32": expected}
+    assert forward["collectives"] == []  # one process: nothing to say to anyone
+    backward = works["one"]["costs"]["1:B0"]["flops"]["float32"]
+    assert 2 * expected <= backward <= 2.6 * expected  # dgrad + wgrad, attention's backward recomputes
+    # every matmul is split over TP 2, so a TP rank does exactly half
+    assert works["tp2"]["costs"]["0:F0"]["flops"] == {"float32": expected / 2}
+
+
+def test_fsdp_traffic_is_the_parameters_once_each_way(works):
+    params_bytes = 4 * sum(p.numel() for p in _meta_model(debug()).parameters())
+    costs = works["fsdp2"]["costs"]
+
+    def traffic(kind: str, phases) -> int:
+        return sum(c[1] * c[4] for p in phases for c in costs[p]["collectives"] if c[0] == kind)
+
+    assert traffic("all_gather", ["0:F0"]) == params_bytes  # the forward gathers every parameter
+    assert traffic("reduce_scatter", list(costs)) == params_bytes  # the gradients go back once
+    groups = {tuple(c[2]) for p in costs for c in costs[p]["collectives"]}
+    assert groups == {(0, 1)}  # the dp_shard group
+    assert all(c[3] for p in costs for c in costs[p]["collectives"])  # FSDP's own: overlappable
+
+
+def test_tp_collectives_are_blocking_on_the_tp_group(works):
+    forward = works["tp2"]["costs"]["0:F0"]["collectives"]
+    assert forward and {(c[0], tuple(c[2]), c[3]) for c in forward} <= {
+        ("all_gather", (0, 1), False),
+        ("reduce_scatter", (0, 1), False),
+        ("all_reduce", (0, 1), False),
+    }
+
+
+def _meta_model(recipe):
+    with torch.device("meta"):
+        return get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
+
+
+def test_a_deep_stage_extrapolates_to_its_full_trace_work():
+    recipe = debug("model.n_layers=12", "mesh.dp_shard=2", "train.global_batch_size=8")
+    with trace_pool() as pool:
+        shallow = submit_trace(recipe, 0, pool)
+        assert isinstance(shallow, Extrapolated)  # 12 layers: traced at 4 and 5, extrapolated
+        full = pool.submit(trace_rank, recipe, 0).result()["work"]["costs"]
+        grown = shallow.result()["work"]["costs"]
+    assert grown.keys() == full.keys()
+    for phase, cost in full.items():
+        assert grown[phase]["flops"] == pytest.approx(cost["flops"], rel=1e-12)
+        assert grown[phase]["memory_bytes"] == pytest.approx(cost["memory_bytes"], rel=1e-12)
+        assert grown[phase]["ops"] == pytest.approx(cost["ops"], rel=1e-12)
+        want = {tuple(c[:-1]): c[-1] for c in cost["collectives"]}
+        got = {tuple(c[:-1]): c[-1] for c in grown[phase]["collectives"] if c[-1]}
+        assert got == pytest.approx(want), phase
+
+
+CPU = Profile(
+    name="test",
+    source="made up for the test",
+    matmul_flops={"float32": 1e9},
+    memory_Bps=1e9,
+    ranks_per_node=8,
+    shared_cores=0,
+    links={2: Link(0.0, 1e9)},
+)
+
+
+@pytest.mark.parametrize("schedule,stages", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)])
+def test_unit_actions_time_as_the_schedules_own_simulation(schedule, stages):
+    """Every action 1 s and free sends: the timed pipeline is the unit-step one (pp_actions)."""
+    recipe = load_recipe(
+        str(RECIPES / "debug_cpu.toml"),
+        [
+            "mesh.dp_shard=1",
+            "mesh.tp=1",
+            "mesh.pp=4",
+            f"pp.schedule={schedule}",
+            f"pp.stages_per_rank={stages}",
+            "pp.microbatches=8",
+            "model.n_layers=8",
+        ],
+        world_size=None,
+    )
+    order = recipe_schedule_order(recipe)
+    timelines = {
+        r: [Action(parse_action(a), 1.0, 0.0) for a in acts if parse_action(a)]
+        + [Action((-1, "tail", 0), 0.0, 0.0)]
+        for r, acts in order.items()
+    }
+    ends, busy = simulate_timed(timelines, 0.0, 1, CPU)
+    span = max(end for end, _ in ends.values())
+    assert span == pytest.approx(max(i + 1 for acts in order.values() for i, a in enumerate(acts) if a))
+    assert 1 - sum(busy.values()) / (span * len(order)) == pytest.approx(bubble_fraction(order))
+
+
+def test_ranks_that_share_cores_share_their_time():
+    one = [Action((0, "F", 0), 1.0, 0.0), Action((0, "B", 0), 2.0, 0.5), Action((-1, "tail", 0), 0.25, 0.0)]
+    alone, _ = simulate_timed({0: one}, 0.0, 1, CPU)
+    assert alone[0][0] == pytest.approx(3.75)
+    # 8 ranks of one thread on 2 cores run at a quarter speed; the exposed communication does not slow
+    shared = dataclasses.replace(CPU, shared_cores=2)
+    ends, _ = simulate_timed({0: one}, 0.0, 8, shared)
+    assert ends[0][0] == pytest.approx(4 * 3.25 + 0.5)
+
+
+def test_a_prediction_prices_flops_bytes_ops_and_links():
+    cost = {
+        "flops": {"float32": 2e9},
+        "memory_bytes": 1e9,
+        "ops": 1000,
+        "collectives": [["all_reduce", int(1e9), (0, 1), False, 1]],
+    }
+    work = {"costs": {"0:F0": cost, "1:B0": cost}, "actions": [(0, "F", 0), (0, "B", 0)], "boundary_bytes": 0}
+    profile = dataclasses.replace(CPU, op_overhead_s=1e-3)
+    p = predict_step({0: work}, ParallelDims(dp_shard=2), 1, profile)
+    # per phase: 2 s of matmuls + 1 s of memory + 1 s of ops, and an all-reduce of 1 GB on 2 ranks: 1 s
+    assert p.step_s == pytest.approx(2 * (4 + 1))
+    assert p.compute_s == pytest.approx(8) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
+
+
+def test_bad_tune_input_is_refused_naming_it(tmp_path):
+    recipe = str(RECIPES / "debug_cpu.toml")
+    proc = run_cli(
+        ["tune", recipe, "--world", "2", "--plan", "--profile", "h10"], cwd=tmp_path, program="meshforge"
+    )
+    assert (
+        proc.returncode == 2 and "did you mean h100?" in proc.stderr and "shipped: h100, h200" in proc.stderr
+    )
+    proc = run_cli(
+        [
+            "tune",
+            recipe,
+            "--world",
+            "2",
+            "--plan",
+            "--profile",
+            "h100",
+            "--axis",
+            "compile.enabled=true,false",
+        ],
+        cwd=tmp_path,
+        program="meshforge",
+    )
+    assert (
+        proc.returncode == 2 and "--axis compile.enabled" in proc.stderr and "trace runs eager" in proc.stderr
+    )
+    assert "in the recipe" not in proc.stderr  # an axis is the command line's
+    bad = tmp_path / "p.toml"
+    bad.write_text(SHIPPED["h100"].read_text().replace("memory_Bps", "memory_bps"))
+    proc = run_cli(
+        ["tune", recipe, "--world", "2", "--plan", "--profile", str(bad)], cwd=tmp_path, program="meshforge"
+    )
+    assert proc.returncode == 2 and "memory_bps" in proc.stderr and "did you mean memory_Bps?" in proc.stderr
+    assert "problem(s) in the recipe" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """`meshforge tune` end to end on 2 ranks: calibrate this machine, predict every layout, run
+    the best predicted and the recipe's own (dp2), W&B offline."""
+    out = tmp_path_factory.mktemp("tune")
+    args = [
+        "tune",
+        str(RECIPES / "debug_cpu.toml"),
+        "--world",
+        "2",
+        "--top",
+        "1",
+        "--calibrate",
+        "--profile-out",
+        str(out / "profile.toml"),
+        "mesh.dp_shard=2",
+        "mesh.tp=1",
+        "mesh.pp=1",
+        *QUICK,
+        "sweep.steps=5",
+        f"output_dir={out}",
+        "logging.wandb=true",
+        "logging.wandb_mode=offline",
+    ]
+    proc = run_cli(args, cwd=out, program="meshforge", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+@pytest.mark.slow
+def test_tune_predicts_confirms_and_writes_the_winner(tuned):
+    out, stdout = tuned
+    folder = out / "tune-debug_cpu-w2"
+    rows = {r["label"]: r for r in map(json.loads, (folder / "tune.jsonl").read_text().splitlines())}
+    assert set(rows) == {"dprep2", "dp2", "cp2", "tp2", "pp2"}  # every layout of 2 ranks
+    planned = [r for r in rows.values() if "predicted" in r]
+    assert len(planned) == 5 and all(r["predicted"]["step_s"] > 0 for r in planned)
+    assert rows["pp2"]["predicted"]["bubble"] > 0 and rows["dp2"]["predicted"]["bubble"] == 0
+    best = min(planned, key=lambda r: r["predicted"]["step_s"])
+    confirmed = {label for label, r in rows.items() if "measured" in r}
+    assert confirmed == {best["label"], "dp2"}  # the top 1 and the recipe's own
+    for label in confirmed:
+        assert rows[label]["status"] == "finished" and rows[label]["measured"]["step_time"] > 0
+        assert f"{label}" in stdout
+    assert "predicted vs measured" in stdout and "fastest measured:" in stdout
+    winner = min(confirmed, key=lambda label: rows[label]["measured"]["step_time"])
+    recipe = load_recipe(str(folder / "tune-best.toml"), [], world_size=2)
+    assert ParallelDims.from_config(recipe.mesh).label() == winner
+    assert load_profile(out / "profile.toml").calibrated_world == 2
+    (table_run,) = wf.run_files(folder)  # the predicted-vs-measured table, as W&B wrote it offline
+    assert wf.run_record(table_run).job_type == "tune-summary"
