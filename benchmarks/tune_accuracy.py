@@ -1,0 +1,197 @@
+"""Step-time prediction vs measurement: `meshforge tune` on every valid layout of a recipe.
+
+Each recipe is tuned with every point confirmed (`--top` all): its layouts crossed with the axes
+given, predicted with a profile measured only by `--calibrate` (no layout's run is used to fit),
+then each point runs `--steps` steps and its steady step time is read as `compare` reads it. Per
+recipe: median and worst |error|, Kendall's tau between predicted and measured order, and how far
+the predicted best is from the measured best. Also the pipeline bubble predicted for each schedule
+of benchmarks/pipeline_bubble.py (its model and batch, 1 thread per rank), against its recorded
+measurement.
+
+    python benchmarks/tune_accuracy.py --profile P.toml             # writes benchmarks/results/
+    python benchmarks/tune_accuracy.py --profile P.toml --recipes debug_cpu --only dp8,dp4-tp2 --out /tmp/t
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from itertools import combinations
+from pathlib import Path
+
+from pipeline_bubble import COMMON, SCHEDULES  # benchmarks/pipeline_bubble.py
+from recorded import provenance, save  # benchmarks/recorded.py
+from rich.console import Console
+
+from meshforge.configs import resolve_recipe_path
+from meshforge.core.topology import ParallelDims
+from meshforge.experiments.tune import tune
+from meshforge.recipe import load_recipe
+from meshforge.simulate.estimate import submit_roles, trace_pool
+from meshforge.simulate.hardware import load_profile
+from meshforge.simulate.step_time import predict_step
+
+# llm_1b shrunk for 8 CPU processes, as its header says
+LLM_1B_SHRUNK = [
+    "train.device=cpu",
+    "model.n_layers=2",
+    "model.dim=256",
+    "model.n_heads=8",
+    "model.n_kv_heads=2",
+    "model.vocab_size=4096",
+    "model.multiple_of=64",
+    "train.seq_len=128",
+    "train.micro_batch_size=2",
+    "activation_checkpoint.mode=none",
+    "fsdp.param_dtype=float32",
+    "data.source=synthetic",
+    "data.hf_dataset=null",
+    "data.hf_config=null",
+    "data.tokenizer=byte",
+    "data.shuffle_windows=0",
+]
+RECIPES = {"debug_cpu": [], "llm_1b": LLM_1B_SHRUNK}
+QUIET = ["logging.wandb=false", "logging.tensorboard=false", "logging.progress=false"]
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a: concordant minus discordant pairs over all pairs."""
+    pairs = list(combinations(range(len(a)), 2))
+    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
+        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs
+    )
+    return score / len(pairs) if pairs else float("nan")
+
+
+def accuracy(rows: list[dict]) -> dict:
+    measured = [r for r in rows if r.get("measured", {}).get("step_time")]
+    pred = [r["predicted"]["step_s"] for r in measured]
+    real = [r["measured"]["step_time"] for r in measured]
+    errors = [p / m - 1 for p, m in zip(pred, real)]
+    best_predicted = measured[pred.index(min(pred))] if measured else None
+    return {
+        "points": len(measured),
+        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+        "worst_abs_error": max((abs(e) for e in errors), default=None),
+        "kendall_tau": kendall_tau(pred, real),
+        "predicted_best": best_predicted["label"] if best_predicted else None,
+        "measured_best": measured[real.index(min(real))]["label"] if measured else None,
+        "predicted_best_vs_measured_best": (best_predicted["measured"]["step_time"] / min(real) - 1)
+        if measured
+        else None,
+        "rows": [
+            {"label": r["label"], "predicted_s": p, "measured_s": m, "error": e}
+            for r, p, m, e in zip(measured, pred, real, errors)
+        ],
+    }
+
+
+def bubbles(profile_path: str) -> list[dict]:
+    """Predicted bubble per schedule as pipeline_bubble.py measures it: 1 - (T1 / pp) / T_pp."""
+    recorded = json.loads((Path(__file__).parent / "results" / "pipeline_bubble.json").read_text())
+    profile = load_profile(profile_path)
+    base = [*COMMON, *recorded["model_overrides"]]
+
+    def step(overrides: list[str]) -> float:
+        recipe = load_recipe(str(resolve_recipe_path("debug_cpu")), [*base, *overrides])
+        dims = ParallelDims.from_config(recipe.mesh)
+        with trace_pool() as pool:
+            works = {
+                dims.coordinate(rank)["pp"]: f.result()["work"] for rank, f in submit_roles(recipe, pool)
+            }
+        return predict_step(works, dims, recipe.train.grad_accum_steps, profile).step_s
+
+    pp, m = recorded["pp"], recorded["microbatches"]
+    t1 = step(["mesh.pp=1"])
+    out = []
+    for r in recorded["rows"]:
+        name = r["schedule"]
+        t_pp = step(
+            [
+                f"mesh.pp={pp}",
+                f"pp.schedule={name}",
+                f"pp.microbatches={m}",
+                f"pp.stages_per_rank={SCHEDULES[name]}",
+            ]
+        )
+        out.append({"schedule": name, "predicted": 1 - (t1 / pp) / t_pp, "measured": r["measured"]})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", required=True, help="a profile from `meshforge tune --calibrate`")
+    p.add_argument("--bubble-profile", default=None, help="a 2-rank profile for the bubble table")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2")
+    p.add_argument("--only", default=None, help="layouts to run, comma-separated (default: all)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args()
+    axes = {k: v.split(",") for k, _, v in (a.partition("=") for a in args.axis)}
+    profile = load_profile(args.profile)
+    console = Console(width=150)
+    result = {"benchmark": "tune_accuracy", "profile": profile.source, "world": args.world, "axes": axes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.recipes.split(","):
+            overrides = [*RECIPES[name], *QUIET, f"sweep.steps={args.steps}", "sweep.timeout_s=900"]
+            if args.only:
+                overrides.append(f"sweep.only=[{args.only}]")
+            folder = Path(tmp) / name
+            tune(
+                str(resolve_recipe_path(name)),
+                overrides,
+                args.world,
+                profile,
+                axes,
+                10**6,
+                False,
+                folder,
+                console,
+            )
+            rows = [json.loads(line) for line in (folder / "tune.jsonl").read_text().splitlines()]
+            result[name] = accuracy(rows)
+    if args.bubble_profile:
+        result["bubbles"] = bubbles(args.bubble_profile)
+    write({**result, **provenance()}, Path(args.out))
+
+
+def write(result: dict, out: Path) -> None:
+    lines = [
+        "# Step-time prediction vs measurement (`meshforge tune`)",
+        "",
+        f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
+        f"world {result['world']}, axes {result['axes'] or 'none'}; profile: {result['profile']}.",
+    ]
+    for name in RECIPES:
+        if name not in result:
+            continue
+        a = result[name]
+        lines += [
+            "",
+            f"## {name}: {a['points']} points; median |error| {a['median_abs_error']:.1%}, worst "
+            f"{a['worst_abs_error']:.1%}, Kendall tau {a['kendall_tau']:.2f}; predicted best "
+            f"{a['predicted_best']} is {a['predicted_best_vs_measured_best']:+.1%} from the measured best "
+            f"{a['measured_best']}",
+            "",
+            "| point | predicted s | measured s | error |",
+            "|---|---|---|---|",
+            *[
+                f"| {r['label']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['error']:+.1%} |"
+                for r in sorted(a["rows"], key=lambda r: r["measured_s"])
+            ],
+        ]
+    if "bubbles" in result:
+        lines += ["", "## Pipeline bubble (pipeline_bubble.py's model and batch)", ""]
+        lines += ["| schedule | predicted | measured (recorded) | gap |", "|---|---|---|---|"]
+        for b in result["bubbles"]:
+            gap = b["predicted"] - b["measured"]
+            lines.append(f"| {b['schedule']} | {b['predicted']:.1%} | {b['measured']:.1%} | {gap:+.1%} |")
+    save(out, "tune_accuracy", result, lines)
+
+
+if __name__ == "__main__":
+    main()
