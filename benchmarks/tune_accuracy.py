@@ -167,7 +167,7 @@ def write(result: dict, out: Path) -> None:
         f"world {result['world']}, axes {result['axes'] or 'none'}; profile: {result['profile']}.",
     ]
     for name in RECIPES:
-        if name not in result:
+        if name not in result or not result[name]["points"]:
             continue
         a = result[name]
         lines += [

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Problem, RecipeError, load_config
+from meshforge.configs import Problem, RecipeError
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
@@ -34,7 +34,6 @@ from meshforge.experiments.sweep import (
 )
 from meshforge.experiments.sweep_record import measure
 from meshforge.models import args_from_config
-from meshforge.parallelisms.fsdp import fsdp_applies
 from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.flops import flops_per_token
@@ -123,9 +122,13 @@ def _refuse_untraced(axes: dict[str, list[str]]) -> None:
         )
 
 
-def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]]) -> str:
-    """The label the recipe's own layout and policy values have in the grid."""
-    cfg, _ = load_config(recipe_path, overrides)
+def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]]) -> str | None:
+    """The label the recipe's own layout and policy values have in the grid (None: its mesh needs
+    a world size, so it is no point of the grid)."""
+    try:
+        cfg = load_recipe(recipe_path, overrides)
+    except RecipeError:
+        return None
     mesh = ParallelDims.from_config(cfg.mesh).degrees
     policy = {}
     for key in axes:
@@ -133,7 +136,8 @@ def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]
         value = cfg
         for part in section.split("."):
             value = getattr(value, part)
-        policy[key] = str(getattr(value, field))
+        v = getattr(value, field)
+        policy[key] = str(v).lower() if isinstance(v, bool) else str(v)  # as an axis spells it
     return point_label(mesh, policy)
 
 
@@ -146,11 +150,10 @@ def _predict(row: dict, recipe, traces, profile: Profile, limit: float | None) -
     works = {dims.coordinate(rank)["pp"]: t.result()["work"] for rank, t in traces}
     p = predict_step(works, dims, recipe.train.grad_accum_steps, profile)
     tokens = recipe.train.global_batch_size * recipe.train.seq_len
-    per_device = tokens / p.step_s / dims.world_size
-    # MFU against the profile's peak (a GPU's datasheet, a CPU's measured rate), as a run reports it
-    peak_flops = profile.peak_flops.get(
-        recipe.fsdp.param_dtype if fsdp_applies(dims, recipe.fsdp) else "float32"
-    )
+    per_device = tokens / p.step_s / dims.world_size if p.step_s > 0 else float("inf")
+    # MFU against the profile's peak for fsdp.param_dtype (a GPU's datasheet, a CPU's measured
+    # rate): the trainer's rule
+    peak_flops = profile.peak_flops.get(recipe.fsdp.param_dtype)
     flops = flops_per_token(args_from_config(recipe.model), recipe.train.seq_len, make_plan(recipe).n_params)
     mfu = flops * per_device / peak_flops if peak_flops else None
     row.update(
@@ -178,12 +181,12 @@ def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> 
         table.add_row(
             str(i),
             r["label"],
-            f"{p['step_s']:.4f}",
+            f"{p['step_s']:.4g}",
             f"{p['tokens_per_sec_per_device']:,.0f}",
             f"{p['mfu']:.1%}" if p.get("mfu") is not None else "",
             f"{r['estimate_gib']:.2f}",
             f"{p['bubble']:.1%}",
-            f"{p['exposed_comm_s'] / p['step_s']:.1%}",
+            f"{p['exposed_comm_s'] / p['step_s']:.1%}" if p["step_s"] > 0 else "",
         )
     return table
 

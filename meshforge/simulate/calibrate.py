@@ -264,7 +264,9 @@ def local_profile(
     `world` ranks, calibrated now (`recalibrate`, or the first time) and kept at `out` (default
     ./meshforge-profile-<host>-w<world>.toml) for the next tune. Ranks get the threads a run gives
     them (train.cpu_threads = 0: the cores over the local ranks)."""
-    if name and not recalibrate:
+    if name and recalibrate:
+        raise UsageError(f"--profile {name} and --calibrate: pick one (--calibrate measures this machine)")
+    if name:
         return load_profile(name)
     path = Path(out or f"meshforge-profile-{platform.node() or 'local'}-w{world}.toml")
     if path.is_file() and not recalibrate:

@@ -60,7 +60,7 @@ class StepPrediction:
     bubble: float  # idle share of the pp ranks' time in the schedule (0 without pipelining)
 
     def as_dict(self) -> dict:
-        return {k: round(v, 6) for k, v in dataclasses.asdict(self).items()}
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -98,6 +98,8 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     ends, busy = simulate_timed(timelines, send, peers, profile)
     span = max(end for end, _ in ends.values())
     schedule_span = max(end for _, end in ends.values())
+    if dims.pp_enabled and grad_accum > 1:  # the trainer runs the whole schedule once per microbatch
+        span += (grad_accum - 1) * schedule_span
     bubble = 1 - sum(busy.values()) / (schedule_span * len(ends)) if dims.pp_enabled else 0.0
     compute, comm, exposed = max(totals.values(), key=lambda t: t[0] + t[2])
     return StepPrediction(span, compute, comm, exposed, max(0.0, bubble))
