@@ -388,8 +388,20 @@ def test_settings_left_unread_by_a_switch_or_a_degree_of_1_say_so_in_explain():
         assert "unread with" in field_doc(section, name) and condition in field_doc(section, name)
 
 
-COMMAND = re.compile(r"(?:run_recipe|meshforge (?:sweep|estimate)|-m meshforge\.cli)((?:\s+[^\s#`|&]+)*)")
-VALUED_FLAGS = {"--world", "--nproc", "--axis", "--device-memory", "--out", "--baseline"}
+COMMAND = re.compile(
+    r"(?:run_recipe|meshforge (?:sweep|estimate|tune)|-m meshforge\.cli)((?:\s+[^\s#`|&]+)*)"
+)
+VALUED_FLAGS = {
+    "--world",
+    "--nproc",
+    "--axis",
+    "--device-memory",
+    "--out",
+    "--baseline",
+    "--profile",
+    "--profile-out",
+    "--top",
+}
 
 
 def shipped_commands() -> list[tuple[str, list[str]]]:
