@@ -6,11 +6,17 @@ any Linear, and its scales see the whole tensor (DTensor reduces the amax over t
 
 Kept in high precision: what `float8.exclude` names (the output head by default: the logits'
 precision), MoE routers (a routing decision must not flip on a rounding) and experts (grouped
-weights, not Linears), and any layer with a dim not divisible by 16 (float8 matmuls need it)."""
+weights, not Linears), and any layer with a dim not divisible by 16 (float8 matmuls need it).
+
+On a CPU the matmuls run in torchao's emulation: the same float8-rounded operands and scales,
+multiplied in fp32. CPU float8 `_scaled_mm` is a reference kernel ~300x slower than fp32 with no
+numerical gain (it too accumulates exactly in fp32); emulation differs from it only in rounding
+order, and in not rounding a rowwise output to bf16 (a CUDA kernel's limitation torchao works around)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 
@@ -40,16 +46,17 @@ def _chosen(module: nn.Module, fqn: str, cfg: Float8Config) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
+def apply_float8(model: nn.Module, cfg: Float8Config, device_type: str = "cuda") -> list[str]:
     """Swap the chosen linear layers of `model` (meta or real) for torchao's Float8Linear with
-    the recipe's scaling; returns their FQNs."""
+    the recipe's scaling, emulated when the model runs on a CPU (module doc); returns their FQNs."""
     with _quiet_import():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     chosen = float8_layers(model, cfg)
+    config = Float8LinearConfig.from_recipe_name(cfg.recipe)
     convert_to_float8_training(
         model,
-        config=Float8LinearConfig.from_recipe_name(cfg.recipe),
+        config=dataclasses.replace(config, emulate=device_type == "cpu"),
         module_filter_fn=lambda module, fqn: fqn in chosen,
     )
     return chosen

@@ -80,7 +80,7 @@ def parallelize(
     `seq_len`: the tokens of one whole sequence, which cp splits; `device_type`: where the model
     will run (a kernel choice of cp's)."""
     if float8.enabled:
-        apply_float8(model, float8)
+        apply_float8(model, float8, device_type)
     if dims.pp_enabled:
         parts, ids, layout = pipeline_split(model, meshes.pp, pp)
     else:

@@ -162,10 +162,12 @@ CONFIGS: dict[str, tuple[list[str], list[str], float]] = {
     "tied_pp2_tp2": (["mesh.pp=2", "mesh.tp=2", *TIED], TIED, 1e-5),
     "tied_3d_pp2_dp2_tp2": (["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *TIED], TIED, 1e-5),
     # float8 (#28): every mesh float8 joins (rowwise_with_gw_hp in test_float8.py); the scales are
-    # maxima, which DTensor reduces over the shards
+    # maxima, which DTensor reduces over the shards. Emulated on CPU (fp32 products): a TP rank sums
+    # its partial products in another order, which can flip a float8 rounding downstream (measured
+    # 1.0e-5 over 6 steps, both recipes; a scale taken over one shard measures 8e-5: the hsdp row)
     "float8_fsdp2": (["mesh.dp_shard=2", *F8], F8, 1e-5),
-    "float8_tp2": (["mesh.tp=2", *F8], F8, 1e-5),
-    "float8_tensorwise_tp2": (["mesh.tp=2", *F8_TW], F8_TW, 1e-5),
+    "float8_tp2": (["mesh.tp=2", *F8], F8, 2e-5),
+    "float8_tensorwise_tp2": (["mesh.tp=2", *F8_TW], F8_TW, 2e-5),
     "float8_pp2": (["mesh.pp=2", *F8], F8, 1e-5),
     # tensorwise scales a rank's activations and output gradients by their own amax (its part of the
     # batch): a dp layout rounds them differently from one process (measured 8e-5 over 6 steps, the

@@ -87,17 +87,20 @@ def banner(
         r.train.steps,
         pipeline,
         loss_floor,
-        precision_line(r),
+        precision_line(r, device_type),
     )
 
 
-def precision_line(r: Recipe) -> str | None:
-    """What trains in float8 and what does not, when it is on."""
+def precision_line(r: Recipe, device_type: str) -> str | None:
+    """What trains in float8 and what does not, when it is on (and that a CPU emulates it)."""
     if not r.float8.enabled:
         return None
     kept = ", ".join([*r.float8.exclude, "MoE routers and experts", "layers with a dim not divisible by 16"])
     recipe, dtype = r.float8.recipe, r.fsdp.param_dtype
-    return f"float8 ({recipe} scaling, torchao): the linear layers' matmuls; kept in {dtype}: {kept}"
+    emulated = "; emulated on CPU: float8 operands, fp32 matmuls" if device_type == "cpu" else ""
+    return (
+        f"float8 ({recipe} scaling, torchao{emulated}): the linear layers' matmuls; kept in {dtype}: {kept}"
+    )
 
 
 def open_run(
