@@ -4,9 +4,10 @@ Each recipe is tuned with every point confirmed (`--top` all): its layouts cross
 given, predicted with a profile measured only by `--calibrate` (no layout's run is used to fit),
 then each point runs `--steps` steps and its steady step time is read as `compare` reads it. Per
 recipe: median and worst |error|, Kendall's tau between predicted and measured order, and how far
-the predicted best is from the measured best. Also the pipeline bubble predicted for each schedule
-of benchmarks/pipeline_bubble.py (its model and batch, 1 thread per rank), against its recorded
-measurement.
+the predicted best is from the measured best; with two recipes or more, the same for each with
+the profile refined (`--calibrate-from`) on the other recipes' runs only. Also the pipeline
+bubble predicted for each schedule of benchmarks/pipeline_bubble.py (its model and batch, 1
+thread per rank), against its recorded measurement.
 
     python benchmarks/tune_accuracy.py --profile P.toml             # writes benchmarks/results/
     python benchmarks/tune_accuracy.py --profile P.toml --recipes debug_cpu --only dp8,dp4-tp2 --out /tmp/t
@@ -27,6 +28,7 @@ from rich.console import Console
 
 from meshforge.configs import resolve_recipe_path
 from meshforge.core.topology import ParallelDims
+from meshforge.experiments.refine import measured_runs, refine
 from meshforge.experiments.tune import tune
 from meshforge.recipe import load_recipe
 from meshforge.simulate.estimate import submit_roles, trace_pool
@@ -66,26 +68,51 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def accuracy(rows: list[dict]) -> dict:
+    """The accuracy of a tune's measured points (tune.jsonl rows)."""
     measured = [r for r in rows if r.get("measured", {}).get("step_time")]
-    pred = [r["predicted"]["step_s"] for r in measured]
-    real = [r["measured"]["step_time"] for r in measured]
+    return accuracy_of(
+        [r["label"] for r in measured],
+        [r["predicted"]["step_s"] for r in measured],
+        [r["measured"]["step_time"] for r in measured],
+    )
+
+
+def accuracy_of(labels: list[str], pred: list[float], real: list[float]) -> dict:
     errors = [p / m - 1 for p, m in zip(pred, real)]
-    best_predicted = measured[pred.index(min(pred))] if measured else None
+    best = pred.index(min(pred)) if pred else None
     return {
-        "points": len(measured),
+        "points": len(labels),
         "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
         "worst_abs_error": max((abs(e) for e in errors), default=None),
         "kendall_tau": kendall_tau(pred, real),
-        "predicted_best": best_predicted["label"] if best_predicted else None,
-        "measured_best": measured[real.index(min(real))]["label"] if measured else None,
-        "predicted_best_vs_measured_best": (best_predicted["measured"]["step_time"] / min(real) - 1)
-        if measured
-        else None,
+        "predicted_best": labels[best] if pred else None,
+        "measured_best": labels[real.index(min(real))] if real else None,
+        "predicted_best_vs_measured_best": real[best] / min(real) - 1 if pred else None,
         "rows": [
-            {"label": r["label"], "predicted_s": p, "measured_s": m, "error": e}
-            for r, p, m, e in zip(measured, pred, real, errors)
+            {"label": label, "predicted_s": p, "measured_s": m, "error": e}
+            for label, p, m, e in zip(labels, pred, real, errors)
         ],
     }
+
+
+def cross_refined(profile, folders: dict[str, Path], console: Console) -> dict[str, dict]:
+    """Each recipe's points predicted by the profile refined on the *other* recipes' measured runs
+    (`meshforge tune --calibrate-from`): none of its own runs is used to fit."""
+    out = {}
+    for name, folder in folders.items():
+        others = [f for n, f in folders.items() if n != name]
+        refined = refine(profile, others, console)
+        runs = measured_runs([folder], console)
+        out[name] = {
+            "refined_from": [n for n in folders if n != name],
+            "profile": refined.source.splitlines()[-1],
+            **accuracy_of(
+                [r.name.split("/")[-1] for r in runs],
+                [r.predict(refined) for r in runs],
+                [r.step_s for r in runs],
+            ),
+        }
+    return out
 
 
 def bubbles(profile_path: str) -> list[dict]:
@@ -99,7 +126,8 @@ def bubbles(profile_path: str) -> list[dict]:
         dims = ParallelDims.from_config(recipe.mesh)
         with trace_pool() as pool:
             works = {
-                dims.coordinate(rank)["pp"]: f.result()["work"] for rank, f in submit_roles(recipe, pool)
+                dims.coordinate(rank)["pp"]: f.result()["work"]
+                for rank, f in submit_roles(recipe, pool, work=True)
             }
         return predict_step(works, dims, recipe.train.grad_accum_steps, profile).step_s
 
@@ -130,30 +158,41 @@ def main() -> None:
     p.add_argument("--only", default=None, help="layouts to run, comma-separated (default: all)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument(
+        "--keep", default=None, help="keep the tunes' run folders here (default: a temporary folder)"
+    )
     args = p.parse_args()
     axes = {k: v.split(",") for k, _, v in (a.partition("=") for a in args.axis)}
     profile = load_profile(args.profile)
     console = Console(width=150)
     result = {"benchmark": "tune_accuracy", "profile": profile.source, "world": args.world, "axes": axes}
+    folders = {}
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = args.keep or tmp
         for name in args.recipes.split(","):
             overrides = [*RECIPES[name], *QUIET, f"sweep.steps={args.steps}", "sweep.timeout_s=900"]
             if args.only:
                 overrides.append(f"sweep.only=[{args.only}]")
-            folder = Path(tmp) / name
-            tune(
-                str(resolve_recipe_path(name)),
-                overrides,
-                args.world,
-                profile,
-                axes,
-                10**6,
-                False,
-                folder,
-                console,
-            )
+            folder = folders[name] = Path(tmp) / name
+            if (folder / "tune.jsonl").is_file():
+                console.print(f"{name}: reusing the measured tune in {folder}")
+            else:
+                tune(
+                    str(resolve_recipe_path(name)),
+                    overrides,
+                    args.world,
+                    profile,
+                    axes,
+                    10**6,
+                    False,
+                    folder,
+                    console,
+                )
             rows = [json.loads(line) for line in (folder / "tune.jsonl").read_text().splitlines()]
             result[name] = accuracy(rows)
+        if len(folders) > 1:
+            for name, refined in cross_refined(profile, folders, console).items():
+                result[name]["refined"] = refined
     if args.bubble_profile:
         result["bubbles"] = bubbles(args.bubble_profile)
     write({**result, **provenance()}, Path(args.out))
@@ -184,6 +223,24 @@ def write(result: dict, out: Path) -> None:
                 for r in sorted(a["rows"], key=lambda r: r["measured_s"])
             ],
         ]
+        if "refined" in a:
+            b = a["refined"]
+            lines += [
+                "",
+                f"### {name} with the profile refined on {', '.join(b['refined_from'])}'s runs "
+                f"(`--calibrate-from`): median |error| {b['median_abs_error']:.1%}, worst "
+                f"{b['worst_abs_error']:.1%}, Kendall tau {b['kendall_tau']:.2f}; predicted best "
+                f"{b['predicted_best']} is {b['predicted_best_vs_measured_best']:+.1%} from the best",
+                "",
+                f"{b['profile']}",
+                "",
+                "| point | predicted s | measured s | error |",
+                "|---|---|---|---|",
+                *[
+                    f"| {r['label']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['error']:+.1%} |"
+                    for r in sorted(b["rows"], key=lambda r: r["measured_s"])
+                ],
+            ]
     if "bubbles" in result:
         lines += ["", "## Pipeline bubble (pipeline_bubble.py's model and batch)", ""]
         lines += ["| schedule | predicted | measured (recorded) | gap |", "|---|---|---|---|"]

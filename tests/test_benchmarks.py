@@ -166,3 +166,20 @@ def test_moe_benchmark_writes_its_results(tmp_path):
     # a step of an ep rank, per MoE layer (3): the counts, the tokens there and back, and both in backward
     assert {x["calls"] for x in ep2["launches"][0]["a2a_per_rank"]} == {15}
     assert "| ep2-looped | 2 | looped |" in (tmp_path / "moe.md").read_text()
+
+
+@pytest.mark.slow
+def test_tune_accuracy_benchmark_writes_its_results_and_cross_refines(tmp_path):
+    """One point of each recipe on 2 ranks, each then predicted by the profile refined on the other's run."""
+    args = ["--profile", "h100", "--world", "2", "--only", "dp2", "--steps", "4", "--out", str(tmp_path)]
+    proc = run_benchmark("tune_accuracy.py", args, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "tune_accuracy.json").read_text())
+    for name, other in (("debug_cpu", "llm_1b"), ("llm_1b", "debug_cpu")):
+        assert result[name]["points"] == 1 and result[name]["rows"][0]["label"] == "dp2"
+        refined = result[name]["refined"]
+        assert refined["refined_from"] == [other] and refined["points"] == 1
+        assert "refined by 1 measured runs" in refined["profile"]
+        assert refined["rows"][0]["measured_s"] == result[name]["rows"][0]["measured_s"]  # the same run
+    text = (tmp_path / "tune_accuracy.md").read_text()
+    assert "with the profile refined on llm_1b's runs" in text

@@ -85,6 +85,56 @@ def test_tp_collectives_are_blocking_on_the_tp_group(works):
     }
 
 
+def test_dtensor_ops_are_counted_where_tp_runs_them(works):
+    """TP's forward runs on DTensors (each op pays DTensor's host dispatch on top of its local ops);
+    one process none, and FSDP's forward none (it computes on the all-gathered plain tensors) but
+    its optimizer step on the sharded DTensor parameters."""
+    costs = {name: w["costs"] for name, w in works.items()}
+    assert all(c["dtensor_ops"] == 0 for c in costs["one"].values())
+    assert costs["tp2"]["0:F0"]["dtensor_ops"] > 0 and costs["tp2"]["1:B0"]["dtensor_ops"] > 0
+    assert costs["fsdp2"]["0:F0"]["dtensor_ops"] == 0 and costs["fsdp2"]["optimizer"]["dtensor_ops"] > 0
+    # the local ops are the same ones on every layout: TP adds its collectives' waits, no compute ops
+    assert costs["tp2"]["0:F0"]["ops"] >= costs["one"]["0:F0"]["ops"]
+
+
+def test_refining_a_profile_recovers_measured_steps():
+    """`--calibrate-from`'s fit: steps 'measured' on a machine 2x slower at matmuls, 3x at host
+    work per op and 4x at link latency than the profile says, which the profile alone misses by
+    40% or more: the fitted profile halves every run's error at least, and misses the median run
+    by under 10% (not 0: the pull towards the calibrated constants weighs against 5 runs)."""
+    from meshforge.experiments.refine import MeasuredRun, fit_factors, scaled
+
+    layouts = {**LAYOUTS, "pp2": ["mesh.pp=2"], "fsdp2_tp2": ["mesh.dp_shard=2", "mesh.tp=2"]}
+    with trace_pool() as pool:
+        traces = {}
+        for name, o in layouts.items():
+            recipe = debug(*o)
+            dims = ParallelDims.from_config(recipe.mesh)
+            traces[name] = (
+                dims,
+                {dims.coordinate(r)["pp"]: pool.submit(trace_rank, recipe, r) for r in dims.role_ranks()},
+            )
+        traced = {n: (d, {pp: f.result()["work"] for pp, f in t.items()}) for n, (d, t) in traces.items()}
+    profile = dataclasses.replace(
+        CPU, op_overhead_s=1e-5, dtensor_op_overhead_s=3e-5, links={2: Link(5e-4, 1e9)}, kind_links={}
+    )
+    truth = {
+        "matmul": 0.5,
+        "memory": 1.0,
+        "op_host": 3.0,
+        "dtensor_host": 1.0,
+        "latency": 4.0,
+        "bandwidth": 1.0,
+    }
+    machine = scaled(profile, truth)
+    runs = [MeasuredRun(n, w, d, 1, predict_step(w, d, 1, machine).step_s) for n, (d, w) in traced.items()]
+    before = [abs(r.predict(profile) / r.step_s - 1) for r in runs]
+    factors = fit_factors(runs, profile)
+    after = [abs(r.predict(scaled(profile, factors)) / r.step_s - 1) for r in runs]
+    assert min(before) > 0.4, before
+    assert all(a <= b / 2 for a, b in zip(after, before)) and sorted(after)[2] < 0.1, (before, after, factors)
+
+
 def _meta_model(recipe):
     with torch.device("meta"):
         return get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
@@ -93,7 +143,7 @@ def _meta_model(recipe):
 def test_a_deep_stage_extrapolates_to_its_full_trace_work():
     recipe = debug("model.n_layers=12", "mesh.dp_shard=2", "train.global_batch_size=8")
     with trace_pool() as pool:
-        shallow = submit_trace(recipe, 0, pool)
+        shallow = submit_trace(recipe, 0, pool, work=True)
         assert isinstance(shallow, Extrapolated)  # 12 layers: traced at 4 and 5, extrapolated
         full = pool.submit(trace_rank, recipe, 0).result()["work"]["costs"]
         grown = shallow.result()["work"]["costs"]
@@ -161,14 +211,16 @@ def test_a_prediction_prices_flops_bytes_ops_and_links():
         "flops": {"float32": 2e9},
         "memory_bytes": 1e9,
         "ops": 1000,
+        "dtensor_ops": 500,
         "collectives": [["all_reduce", int(1e9), (0, 1), False, 1]],
     }
     work = {"costs": {"0:F0": cost, "1:B0": cost}, "actions": [(0, "F", 0), (0, "B", 0)], "boundary_bytes": 0}
-    profile = dataclasses.replace(CPU, op_overhead_s=1e-3)
+    profile = dataclasses.replace(CPU, op_overhead_s=1e-3, dtensor_op_overhead_s=2e-3)
     p = predict_step({0: work}, ParallelDims(dp_shard=2), 1, profile)
-    # per phase: 2 s of matmuls + 1 s of memory + 1 s of ops, and an all-reduce of 1 GB on 2 ranks: 1 s
-    assert p.step_s == pytest.approx(2 * (4 + 1))
-    assert p.compute_s == pytest.approx(8) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
+    # per phase: 2 s of matmuls + 1 s of memory + 1 s of ops + 1 s of DTensor dispatch, and an
+    # all-reduce of 1 GB on 2 ranks: 1 s
+    assert p.step_s == pytest.approx(2 * (5 + 1))
+    assert p.compute_s == pytest.approx(10) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
 
 
 def test_bad_tune_input_is_refused_naming_it(tmp_path):
@@ -258,3 +310,31 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
     assert load_profile(out / "profile.toml").calibrated_world == 2
     (table_run,) = wf.run_files(folder)  # the predicted-vs-measured table, as W&B wrote it offline
     assert wf.run_record(table_run).job_type == "tune-summary"
+
+
+@pytest.mark.slow
+def test_calibrate_from_refines_the_profile_by_the_tunes_runs(tuned, tmp_path):
+    """`--calibrate-from` the tune's folder: its 2 measured points traced again and fitted, the fit
+    printed run by run, the refined profile written where the next tune reads it, then used."""
+    out, _ = tuned
+    args = [
+        "tune",
+        str(RECIPES / "debug_cpu.toml"),
+        "--world",
+        "2",
+        "--plan",
+        "--profile",
+        str(out / "profile.toml"),
+    ]
+    proc = run_cli(
+        [*args, "--calibrate-from", str(out / "tune-debug_cpu-w2"), *QUICK], cwd=tmp_path, program="meshforge"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = load_profile(out / "profile.toml")
+    (written,) = tmp_path.glob("meshforge-profile-*+runs.toml")
+    refined = load_profile(written)
+    assert refined.name == f"{base.name}+runs" and "refined by 2 measured runs" in refined.source
+    assert f"profile {base.name} refined by 2 runs" in proc.stdout and "factors: matmul x" in proc.stdout
+    assert f"profile {refined.name}" in proc.stdout  # the tune then predicts with it
+    # the fit moved the constants: not every rate as it was
+    assert (refined.matmul_flops, refined.op_overhead_s) != (base.matmul_flops, base.op_overhead_s)

@@ -151,6 +151,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from meshforge.experiments.refine import refined_profile
     from meshforge.experiments.tune import tune
     from meshforge.simulate.calibrate import local_profile
 
@@ -158,6 +159,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     path = resolve_recipe_path(recipe_arg)
     world = _world_for(path, overrides, args.world)
     profile = local_profile(args.profile, args.calibrate, args.profile_out, world, console)
+    if args.calibrate_from:
+        profile = refined_profile(profile, [Path(p) for p in args.calibrate_from], console)
     tune_dir = Path(args.tune_dir) if args.tune_dir else None
     tune(str(path), overrides, world, profile, parse_axes(args.axis), args.top, args.plan, tune_dir, console)
     return 0

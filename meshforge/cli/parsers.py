@@ -148,6 +148,14 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         "write its profile (--profile-out) before anything else",
     )
     tun.add_argument("--profile-out", default=None, help="where --calibrate writes the profile")
+    tun.add_argument(
+        "--calibrate-from",
+        nargs="+",
+        default=[],
+        metavar="RUNS",
+        help="refine the profile by measured runs (sweep, tune or run folders: their steady step times) "
+        "and write it beside the one it refines, before predicting",
+    )
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
     cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
     cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")

@@ -171,8 +171,9 @@ def run_sweep(
     return sweep_dir
 
 
-def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool) -> tuple:
-    """Validate one point and start its traced estimate; (i, point, row, recipe, traces)."""
+def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool, work: bool = False) -> tuple:
+    """Validate one point and start its traced estimate (with its work for `tune`); (i, point,
+    row, recipe, traces)."""
     row = {"label": pt.label, "mesh": pt.mesh, "policy": pt.policy, "overrides": pt.overrides()}
     row["run_overrides"] = [
         *overrides,
@@ -190,7 +191,7 @@ def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool)
     except RecipeError as e:
         row.update(status="refused", error="; ".join(str(p) for p in e.problems))
         return i, pt, row, None, None
-    return i, pt, row, recipe, submit_roles(recipe, pool)
+    return i, pt, row, recipe, submit_roles(recipe, pool, work)
 
 
 def _judge_fit(row: dict, recipe: Recipe, traced: dict, device_memory_gib: float | None) -> None:

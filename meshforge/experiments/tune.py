@@ -79,7 +79,7 @@ def tune(
     limit = sw.device_memory_gib or profile.device_memory_gib or None
     with trace_pool() as pool:
         planned = [
-            plan_point(i, pt, recipe_path, overrides, world, sw, group, tune_dir, pool)
+            plan_point(i, pt, recipe_path, overrides, world, sw, group, tune_dir, pool, work=True)
             for i, pt in enumerate(points, 1)
         ]
         rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]

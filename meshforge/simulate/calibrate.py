@@ -33,7 +33,7 @@ from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import measure_cpu_matmul_flops, usable_cores
 from meshforge.simulate.hardware import Link, Profile, algorithm_factor, load_profile, save_profile
-from meshforge.simulate.op_costs import CostRecorder
+from meshforge.simulate.op_costs import CostRecorder, PhaseCost
 
 # (m, k, n) of a small transformer's matmuls: q/k/v/o projections, an MLP up-projection, a
 # long-sequence attention product. A dtype's rate is the median over them: one rate stands for
@@ -91,6 +91,7 @@ def calibrate(world: int, threads_per_rank: int, out: Path | None, console: Cons
         links={g: link for g, (link, _) in fits.items()},
         calibrated_world=world,
         op_overhead_s=rates["op_overhead_s"],
+        dtensor_op_overhead_s=rates["dtensor_op_overhead_s"],
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
     )
@@ -178,19 +179,22 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str) -> None:
         "matmul_flops": matmul,
         "memory_Bps": memory,
         "peak_flops": peak,
-        "op_overhead_s": _op_overhead(),
+        "op_overhead_s": (per_op := _op_overhead()),
+        "dtensor_op_overhead_s": _dtensor_op_overhead(per_op, folder),
     }
     Path(folder, "result.json").write_text(json.dumps(result))
 
 
-def _op_overhead() -> float:
-    """Seconds of host work per op of a training step, on ops too small for their arithmetic to
-    count: a forward and backward of a stack of tiny linear/norm/activation layers, over the ops
-    op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this)."""
+def _tiny_stack() -> torch.nn.Module:
+    """Layers too small for their arithmetic to count: what is timed is the host's work per op."""
     layers = [
         torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.SiLU()) for _ in range(16)
     ]
-    model, x = torch.nn.Sequential(*layers), torch.randn(2, 8)
+    return torch.nn.Sequential(*layers)
+
+
+def _host_seconds_per_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, PhaseCost]:
+    """The median seconds of a forward and backward of `model`, and what CostRecorder counts in it."""
 
     def step() -> None:
         model(x).sum().backward()
@@ -198,7 +202,35 @@ def _op_overhead() -> float:
     recorder = CostRecorder(lambda: "step")
     with recorder:
         step()
-    return _median_seconds(step) / recorder.phases["step"].ops
+    return _median_seconds(step), recorder.phases["step"]
+
+
+def _op_overhead() -> float:
+    """Seconds of host work per op of a training step, on ops too small for their arithmetic to
+    count: a forward and backward of a stack of tiny linear/norm/activation layers, over the ops
+    op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this)."""
+    seconds, cost = _host_seconds_per_step(_tiny_stack(), torch.randn(2, 8))
+    return seconds / cost.ops
+
+
+def _dtensor_op_overhead(per_op: float, folder: str) -> float:
+    """Seconds of host work per op on DTensors beyond its local ops: the same tiny stack with its
+    parameters and input replicated DTensors on a 1-rank mesh (DTensor's dispatch, no
+    communication), less its local ops at `per_op`, over the DTensor ops counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+
+    store = dist.FileStore(str(Path(folder, "dtensor-store")), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = distribute_module(_tiny_stack(), mesh)
+        seconds, cost = _host_seconds_per_step(
+            model, distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])
+        )
+    finally:
+        dist.destroy_process_group()
+    return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
 
 
 def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
@@ -246,6 +278,12 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
         )
     table.add_row(
         "memory-bound", f"{profile.memory_Bps / 1e9:.2f} GB/s", f"c = a + b on 16 MiB tensors, {alone}"
+    )
+    table.add_row("host work per op", f"{profile.op_overhead_s * 1e6:.1f} us", f"tiny layers' step, {alone}")
+    table.add_row(
+        "per DTensor op",
+        f"{profile.dtensor_op_overhead_s * 1e6:.1f} us",
+        "the same on DTensors, beyond their local ops",
     )
     for g, link in sorted(profile.links.items()):
         table.add_row(

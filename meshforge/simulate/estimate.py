@@ -68,6 +68,8 @@ class Extrapolated:
             if p in high
         ]
         peak = max(deep, key=lambda c: c["total"])  # a tie: the first in the step, as a tracker
+        if "work" not in high_trace:
+            return peak
         return {**peak, "work": extrapolate_work(low_trace["work"], high_trace["work"], self.periods)}
 
 
@@ -80,13 +82,16 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
 
     costs = {}
     for phase, hi in high["costs"].items():
-        lo = low["costs"].get(phase, {"flops": {}, "memory_bytes": 0, "ops": 0, "collectives": []})
+        lo = low["costs"].get(
+            phase, {"flops": {}, "memory_bytes": 0, "ops": 0, "dtensor_ops": 0, "collectives": []}
+        )
         counts = {tuple(c[:-1]): c[-1] for c in lo["collectives"]}
         grown = {tuple(c[:-1]): c[-1] for c in hi["collectives"]}
         costs[phase] = {
             "flops": {d: line(lo["flops"].get(d, 0.0), f) for d, f in hi["flops"].items()},
             "memory_bytes": line(lo["memory_bytes"], hi["memory_bytes"]),
             "ops": line(lo["ops"], hi["ops"]),
+            "dtensor_ops": line(lo.get("dtensor_ops", 0), hi.get("dtensor_ops", 0)),
             "collectives": [
                 [*key, line(counts.get(key, 0), grown.get(key, 0))] for key in {**counts, **grown}
             ],
@@ -94,9 +99,10 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
     return {**high, "costs": costs}
 
 
-def submit_trace(recipe: Recipe, rank: int, pool):
-    """Rank `rank`'s traced peak (a future): traced at the recipe's depth, or, where that costs
-    more, at a shallow depth and one period deeper and extrapolated linearly (Extrapolated).
+def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False):
+    """Rank `rank`'s traced peak (a future), with its work if `work` (step-time prediction):
+    traced at the recipe's depth, or, where that costs more, at a shallow depth and one period
+    deeper and extrapolated linearly (Extrapolated).
     The period is 1 block, or `selective_every` under selective AC (checkpointed by layer id):
     shallow stages keep their block count and first layer id modulo the period, so the same
     blocks are checkpointed. Each trace runs in its own worker process (trace_pool)."""
@@ -121,9 +127,9 @@ def submit_trace(recipe: Recipe, rank: int, pool):
         low[s] = counts[s] - missing
     high = [lo + period if lo < n else n for lo, n in zip(low, counts)]
     if sum(low[s] + high[s] for s in mine) >= sum(counts[s] for s in mine):  # no cheaper
-        return pool.submit(trace_rank, recipe, rank)
+        return pool.submit(trace_rank, recipe, rank, work)
     low_trace, high_trace = (
-        pool.submit(trace_rank, _with_stage_blocks(recipe, dims, c), rank) for c in (low, high)
+        pool.submit(trace_rank, _with_stage_blocks(recipe, dims, c), rank, work) for c in (low, high)
     )
     return Extrapolated(low_trace, high_trace, missing / period)  # `high` adds one period to each
 
@@ -148,11 +154,11 @@ def traced_estimate(recipe: Recipe, pool) -> dict:
     return heaviest(submit_roles(recipe, pool))
 
 
-def submit_roles(recipe: Recipe, pool) -> list:
-    """One trace per distinct role of the mesh, started on `pool` (trace_pool); `heaviest`
-    collects them, so many recipes' traces can run at once."""
+def submit_roles(recipe: Recipe, pool, work: bool = False) -> list:
+    """One trace per distinct role of the mesh, started on `pool` (trace_pool), with each role's
+    work if `work`; `heaviest` collects them, so many recipes' traces can run at once."""
     return [
-        (rank, submit_trace(recipe, rank, pool))
+        (rank, submit_trace(recipe, rank, pool, work))
         for rank in ParallelDims.from_config(recipe.mesh).role_ranks()
     ]
 

@@ -57,6 +57,9 @@ class Profile:
     # host cost of each op a step dispatches (Python, autograd, dispatcher): what a CPU rank's small
     # ops cost beyond their bytes; 0 on a GPU, whose kernels launch ahead of the device
     op_overhead_s: float = 0.0
+    # host cost of each op on DTensors (TP, CP, EP), beyond its local ops: DTensor's dispatch
+    # (sharding propagation, wrapping) in Python; 0 on a GPU, hidden as op_overhead_s is
+    dtensor_op_overhead_s: float = 0.0
     peak_flops: dict[str, float] = field(default_factory=dict)  # compute dtype -> the peak MFU is against
     device_memory_gib: float = 0.0  # what fits (0: not judged, as on CPU ranks sharing host memory)
     # collective kind -> group size -> its own link, where one kind runs slower than the shared fit
@@ -153,6 +156,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "threads_per_rank": profile.threads_per_rank,
         "calibrated_world": profile.calibrated_world,
         "op_overhead_s": profile.op_overhead_s,
+        "dtensor_op_overhead_s": profile.dtensor_op_overhead_s,
         "device_memory_gib": profile.device_memory_gib,
         "memory_Bps": profile.memory_Bps,
         "matmul_flops": dict(profile.matmul_flops),
@@ -210,6 +214,7 @@ SCALARS = {
     "threads_per_rank": (False, _count(1)),
     "calibrated_world": (False, _count(0)),
     "op_overhead_s": (False, _non_negative),
+    "dtensor_op_overhead_s": (False, _non_negative),
     "device_memory_gib": (False, _non_negative),
 }
 TABLES = ("matmul_flops", "peak_flops", "links", "kind_links", "inter_node")
@@ -297,6 +302,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         inter_node=inter_node,
         calibrated_world=data.get("calibrated_world", 0),
         op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+        dtensor_op_overhead_s=float(data.get("dtensor_op_overhead_s", 0.0)),
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
         device_memory_gib=float(data.get("device_memory_gib", 0.0)),
         kind_links=kind_links,

@@ -6,7 +6,9 @@ profile. Recorded by `CostRecorder` beside the memory tracker in the same traced
 
 Counted on the rank's local tensors: an op on DTensors is passed on (NotImplemented) to
 DTensor, whose local ops come back through the recorder, so a TP rank's matmul counts its
-shard of the FLOPs and DTensor's own redistributions count as the collectives they are.
+shard of the FLOPs and DTensor's own redistributions count as the collectives they are. The
+DTensor ops are counted too: each costs the host DTensor's dispatch (sharding propagation,
+wrapping), which a CPU rank pays on top of its local ops.
 """
 
 from __future__ import annotations
@@ -54,8 +56,16 @@ COLLECTIVES = {
 # backward); DTensor's (TP, CP, EP: functional collectives) sit on the critical path
 OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_}
 
-# ops that move no data: metadata, views, fresh (uninitialised) buffers
-FREE = {aten.empty, aten.empty_strided, aten.empty_like, aten.detach, aten.lift_fresh, aten.alias}
+# ops that move no data: metadata, views, fresh (uninitialised) buffers, waiting for a collective
+FREE = {
+    aten.empty,
+    aten.empty_strided,
+    aten.empty_like,
+    aten.detach,
+    aten.lift_fresh,
+    aten.alias,
+    functional.wait_tensor,
+}
 
 
 @dataclasses.dataclass
@@ -65,6 +75,7 @@ class PhaseCost:
     flops: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))  # by dtype
     memory_bytes: float = 0.0  # read + written by the ops that are not matmuls
     ops: int = 0  # local ops dispatched (each has a fixed host cost on top of its work)
+    dtensor_ops: int = 0  # ops on DTensors: DTensor's sharding and redistribution logic, per op, on the host
     # (kind, bytes, group ranks, overlapped) -> count
     collectives: Counter = dataclasses.field(default_factory=Counter)
 
@@ -73,6 +84,7 @@ class PhaseCost:
             "flops": dict(self.flops),
             "memory_bytes": self.memory_bytes,
             "ops": self.ops,
+            "dtensor_ops": self.dtensor_ops,
             "collectives": [[*key, n] for key, n in self.collectives.items()],
         }
 
@@ -90,6 +102,7 @@ class CostRecorder(TorchDispatchMode):
         leaves = tree_leaves((args, kwargs))
         cost = self.phases[self.phase() or "setup"]
         if any(isinstance(t, DTensor) for t in leaves):
+            cost.dtensor_ops += 1
             return NotImplemented  # DTensor runs it; its local ops come back here
         out = func(*args, **kwargs)
         packet = func._overloadpacket

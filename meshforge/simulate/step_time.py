@@ -4,6 +4,7 @@ profile (hardware.py), before anything runs. `meshforge tune` ranks layouts by i
 Per phase of a rank's step (an action of its schedule, the gradient reduction, the optimizer):
     compute  = sum over dtypes of matmul FLOPs / matmul rate
                + bytes the other ops move / memory bandwidth + ops x host cost per op
+               + DTensor ops x DTensor's host cost per op
     comm     = sum over collectives of latency + bytes x factor / bandwidth (of its group's link)
     time     = blocking comm + max(compute, FSDP comm)       on a GPU (FSDP prefetches its
                                                               all-gathers, reduce-scatters behind)
@@ -38,7 +39,8 @@ class PhaseTime:
 def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
     """One phase's compute and communication (module doc)."""
     matmul = sum(f / profile.matmul_rate(d) for d, f in cost["flops"].items())
-    compute = matmul + cost["memory_bytes"] / profile.memory_Bps + cost["ops"] * profile.op_overhead_s
+    host = cost["ops"] * profile.op_overhead_s + cost.get("dtensor_ops", 0) * profile.dtensor_op_overhead_s
+    compute = matmul + cost["memory_bytes"] / profile.memory_Bps + host
     hidden = blocking = 0.0
     for kind, nbytes, ranks, overlapped, count in cost["collectives"]:
         crosses = len({r // profile.ranks_per_node for r in ranks}) > 1

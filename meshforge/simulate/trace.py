@@ -4,6 +4,7 @@ step). What `meshforge estimate` runs per role (estimate.py); see its module doc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -24,11 +25,11 @@ from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulate
 from meshforge.simulate.op_costs import CostRecorder
 
 
-def trace_rank(recipe: Recipe, rank: int) -> dict:
+def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc), under
-    `phases` each place's own peak by category (block_locator), and under `costs` each phase's
-    work (op_costs.CostRecorder). Run it in a fresh process
-    (trace_pool): torch caches plans by mesh layout across traces."""
+    `phases` each place's own peak by category (block_locator), and with `work` under `work` each
+    phase's work (op_costs.CostRecorder: a fifth of the trace's time, which memory alone skips).
+    Run it in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
     with (
         simulated_rank(recipe, rank) as (dims, meshes, pmodel),
         FakeTensorMode(allow_non_fake_inputs=True),
@@ -49,10 +50,12 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
         tracker = make_tracker(pmodel.parts, optimizers)
         ac = recipe.activation_checkpoint
         tracker.locate = block_locator(pmodel.parts, ac.selective_every if ac.mode == "selective" else 1)
-        recorder = CostRecorder(lambda: tracker.phase)  # below the tracker: it sees what the step runs
+        # above the tracker, which hands DTensor ops on unseen: the recorder counts them, then
+        # their local ops come back through both
+        recorder = CostRecorder(lambda: tracker.phase) if work else contextlib.nullcontext()
         with (
-            recorder,
             tracker,
+            recorder,
             StepPolicy.of(dims, recipe.tp, recipe.fsdp).context("cpu"),
             quiet_embedding_view_warning(),
         ):
@@ -66,13 +69,15 @@ def trace_rank(recipe: Recipe, rank: int) -> dict:
                 opt.zero_grad(set_to_none=True)
         on_device = (lambda c: off_the_device(c, offloaded)) if recipe.fsdp.cpu_offload else dict
         phases = {p: on_device(c) for p, c in phase_peak_categories(tracker).items()}
-        shape, dtype = stage_boundary(recipe, dims)
-        work = {
-            "costs": recorder.result(),
-            "actions": actions,
-            "boundary_bytes": shape[0] * shape[1] * shape[2] * dtype.itemsize,
-        }
-        return {**on_device(peak_categories(tracker)), "phases": phases, "work": work}
+        traced = {**on_device(peak_categories(tracker)), "phases": phases}
+        if work:
+            shape, dtype = stage_boundary(recipe, dims)
+            traced["work"] = {
+                "costs": recorder.result(),
+                "actions": actions,
+                "boundary_bytes": shape[0] * shape[1] * shape[2] * dtype.itemsize,
+            }
+        return traced
 
 
 def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:

@@ -1,0 +1,155 @@
+"""`meshforge tune --calibrate-from RUNS`: a hardware profile refined by runs that were measured.
+
+Each finished run (a sweep's or a tune's points, or plain runs: any folder `compare` reads) is
+traced again from the recipe it saved (its `recipe.toml`, on its world), and its steady step time
+read as `compare` reads it. Six multipliers of the profile's constants (matmul rates, memory
+bandwidth, host cost per op and per DTensor op, link latencies, link bandwidths) are fitted so the
+predicted steps match the measured ones, by least squares on log(predicted / measured): every run
+weighs the same whatever its length. A weak pull towards 1 keeps a constant the runs cannot tell
+(no collectives in one-process runs, no DTensor without TP/CP) where calibration put it. The
+step-time model itself is unchanged (step_time.py): the fit moves only its constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from scipy.optimize import least_squares
+
+from meshforge.core.errors import UsageError
+from meshforge.core.topology import ParallelDims
+from meshforge.experiments.compare import find_runs
+from meshforge.recipe import load_recipe
+from meshforge.simulate.estimate import submit_roles, trace_pool
+from meshforge.simulate.hardware import Link, Profile, save_profile
+from meshforge.simulate.step_time import predict_step
+
+FACTORS = ("matmul", "memory", "op_host", "dtensor_host", "latency", "bandwidth")
+# residual per unit of log(factor): a 2x factor weighs as a 7% miss on one run, so a constant moves
+# only as far as the runs ask. Chosen by fitting one recipe's runs and predicting the other's
+# (benchmarks/tune_accuracy.py's two recipes, 8 ranks here): median cross error 20% and 34% at
+# 0.1, 36% and 24% at 0.25, 22% and 60% at 0.05, 45% and 50% at 0.5
+PULL = 0.1
+LIMIT = math.log(10.0)  # no constant moves more than 10x either way
+
+
+@dataclasses.dataclass
+class MeasuredRun:
+    """A finished run as the fit sees it: its roles' traced work and its steady step time."""
+
+    name: str
+    works: dict[int, dict]  # pp rank -> the traced work (trace.trace_rank's "work")
+    dims: ParallelDims
+    grad_accum: int
+    step_s: float
+
+    def predict(self, profile: Profile) -> float:
+        return predict_step(self.works, self.dims, self.grad_accum, profile).step_s
+
+
+def scaled(profile: Profile, factors: dict[str, float]) -> Profile:
+    """`profile` with each constant multiplied by its factor (FACTORS); rates scale up, costs down."""
+
+    def link(k: Link) -> Link:
+        return Link(k.latency_s * factors["latency"], k.bandwidth_Bps * factors["bandwidth"])
+
+    return dataclasses.replace(
+        profile,
+        matmul_flops={d: r * factors["matmul"] for d, r in profile.matmul_flops.items()},
+        memory_Bps=profile.memory_Bps * factors["memory"],
+        op_overhead_s=profile.op_overhead_s * factors["op_host"],
+        dtensor_op_overhead_s=profile.dtensor_op_overhead_s * factors["dtensor_host"],
+        links={n: link(k) for n, k in profile.links.items()},
+        kind_links={kind: {n: link(k) for n, k in ls.items()} for kind, ls in profile.kind_links.items()},
+        inter_node=link(profile.inter_node) if profile.inter_node else None,
+    )
+
+
+def measured_runs(paths: list[Path], console: Console) -> list[MeasuredRun]:
+    """Every finished run under `paths` with a steady step time, traced again; runs the fit cannot
+    use (no steady steps, the JAX backend) are named and left out."""
+    runs, pending = [], []
+    with trace_pool() as pool:
+        for run in find_runs(paths):
+            step = run.throughput()["step_time"]
+            recipe_file = run.path / "recipe.toml"
+            why = (
+                "no steady step time (too few steps, or it failed)"
+                if not step
+                else "no recipe.toml"
+                if not recipe_file.is_file()
+                else "backend jax: the trace is torch's"
+                if run.info["recipe"].get("backend") == "jax"
+                else None
+            )
+            if why:
+                console.print(f"  {run.path}: left out: {why}", highlight=False)
+                continue
+            recipe = load_recipe(recipe_file, world_size=run.info["world_size"])
+            pending.append((run, recipe, step, submit_roles(recipe, pool, work=True)))
+        for run, recipe, step, traces in pending:
+            dims = ParallelDims.from_config(recipe.mesh)
+            works = {dims.coordinate(rank)["pp"]: t.result()["work"] for rank, t in traces}
+            name = f"{run.path.parent.name}/{run.name}"
+            runs.append(MeasuredRun(name, works, dims, recipe.train.grad_accum_steps, step))
+    if not runs:
+        raise UsageError(f"--calibrate-from {' '.join(map(str, paths))}: no finished run with steady steps")
+    return runs
+
+
+def fit_factors(runs: list[MeasuredRun], profile: Profile) -> dict[str, float]:
+    """The FACTORS that bring the runs' predicted steps nearest their measured ones (module doc)."""
+
+    def residuals(logs: np.ndarray) -> np.ndarray:
+        p = scaled(profile, dict(zip(FACTORS, np.exp(logs))))
+        misses = [math.log(max(r.predict(p), 1e-12) / r.step_s) for r in runs]
+        return np.array([*misses, *(PULL * logs)])
+
+    fit = least_squares(residuals, np.zeros(len(FACTORS)), bounds=(-LIMIT, LIMIT), diff_step=1e-3)
+    return {name: float(math.exp(v)) for name, v in zip(FACTORS, fit.x)}
+
+
+def refine(profile: Profile, paths: list[Path], console: Console) -> Profile:
+    """`profile` refined by the runs under `paths`: fitted, its provenance extended, and a table of
+    each run's measured step next to the prediction before and after printed."""
+    runs = measured_runs(paths, console)
+    factors = fit_factors(runs, profile)
+    refined = scaled(profile, factors)
+    before = [r.predict(profile) / r.step_s - 1 for r in runs]
+    after = [r.predict(refined) / r.step_s - 1 for r in runs]
+    console.print(_fit_table(runs, before, after, factors, profile.name))
+    moved = ", ".join(f"{k} x{v:.3g}" for k, v in factors.items())
+    source = (
+        f"{profile.source}\nrefined by {len(runs)} measured runs ({', '.join(map(str, paths))}): {moved}; "
+        f"median |error| {_median_abs(before):.1%} -> {_median_abs(after):.1%}"
+    )
+    return dataclasses.replace(refined, name=f"{profile.name}+runs", source=source)
+
+
+def _median_abs(errors: list[float]) -> float:
+    return float(np.median(np.abs(errors)))
+
+
+def _fit_table(runs, before, after, factors, name: str) -> Table:
+    table = Table(title=f"profile {name} refined by {len(runs)} runs", title_justify="left")
+    for col in ("run", "measured step s", "predicted before", "after"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r, b, a in zip(runs, before, after):
+        table.add_row(r.name, f"{r.step_s:.4f}", f"{b:+.1%}", f"{a:+.1%}")
+    table.caption = "factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in factors.items())
+    return table
+
+
+def refined_profile(profile: Profile, runs: list[Path], console: Console) -> Profile:
+    """`profile` refined by the measured runs under `runs`, written to
+    ./meshforge-profile-<name>.toml for the next tune's --profile."""
+    refined = refine(profile, runs, console)
+    path = Path(f"meshforge-profile-{refined.name}.toml")
+    save_profile(refined, path)
+    console.print(f"refined profile written to {path} (--profile {path} uses it again)", highlight=False)
+    return refined
