@@ -200,6 +200,7 @@ THIRD_PARTY = (
     "torch.distributed.checkpoint",
     "matplotlib",
     "wandb",
+    "scipy.optimize",  # tune --calibrate-from's fit; scipy sets its own warnings filters on import
     *EXTRAS,
 )
 IMPORT_EFFECTS = r"""
