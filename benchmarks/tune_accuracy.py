@@ -174,20 +174,25 @@ def main() -> None:
             if args.only:
                 overrides.append(f"sweep.only=[{args.only}]")
             folder = folders[name] = Path(tmp) / name
-            if (folder / "tune.jsonl").is_file():
+            if (folder / "tune.jsonl").is_file():  # reused: predicted again with this profile and code
                 console.print(f"{name}: reusing the measured tune in {folder}")
-            else:
-                tune(
-                    str(resolve_recipe_path(name)),
-                    overrides,
-                    args.world,
-                    profile,
-                    axes,
-                    10**6,
-                    False,
-                    folder,
-                    console,
+                runs = measured_runs([folder], console)
+                labels = [r.name.split("/")[-1] for r in runs]
+                result[name] = accuracy_of(
+                    labels, [r.predict(profile) for r in runs], [r.step_s for r in runs]
                 )
+                continue
+            tune(
+                str(resolve_recipe_path(name)),
+                overrides,
+                args.world,
+                profile,
+                axes,
+                10**6,
+                False,
+                folder,
+                console,
+            )
             rows = [json.loads(line) for line in (folder / "tune.jsonl").read_text().splitlines()]
             result[name] = accuracy(rows)
         if len(folders) > 1:

@@ -78,7 +78,7 @@ def parallelize(
 ) -> ParallelModel:
     """Apply float8 -> PP (+ EP, CP) -> TP -> AC -> compile -> FSDP to a meta-device `model` (see module doc);
     `seq_len`: the tokens of one whole sequence, which cp splits; `device_type`: where the model
-    will run (a kernel choice of cp's)."""
+    will run (a kernel choice of cp's, and float8's: emulated on a CPU)."""
     if float8.enabled:
         apply_float8(model, float8, device_type)
     if dims.pp_enabled:

@@ -150,11 +150,11 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     tun.add_argument("--profile-out", default=None, help="where --calibrate writes the profile")
     tun.add_argument(
         "--calibrate-from",
-        nargs="+",
+        action="append",
         default=[],
         metavar="RUNS",
-        help="refine the profile by measured runs (sweep, tune or run folders: their steady step times) "
-        "and write it beside the one it refines, before predicting",
+        help="refine the profile by measured runs (a sweep, tune or run folder: their steady step "
+        "times; repeatable), write it to ./meshforge-profile-<name>+runs.toml, then predict with it",
     )
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
     cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")

@@ -73,6 +73,10 @@ def scaled(profile: Profile, factors: dict[str, float]) -> Profile:
 def measured_runs(paths: list[Path], console: Console) -> list[MeasuredRun]:
     """Every finished run under `paths` with a steady step time, traced again; runs the fit cannot
     use (no steady steps, the JAX backend) are named and left out."""
+    if missing := [str(p) for p in paths if not p.is_dir()]:
+        raise UsageError(
+            f"--calibrate-from {' '.join(missing)}: no such folder; pass run, sweep or tune folders"
+        )
     runs, pending = [], []
     with trace_pool() as pool:
         for run in find_runs(paths):
