@@ -145,7 +145,11 @@ def _fit_table(runs, before, after, factors, name: str) -> Table:
         table.add_column(col, justify="left" if col == "run" else "right")
     for r, b, a in zip(runs, before, after):
         table.add_row(r.name, f"{r.step_s:.4f}", f"{b:+.1%}", f"{a:+.1%}")
-    table.caption = "factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in factors.items())
+    bound = math.exp(LIMIT) * (1 - 1e-6)
+    table.caption = "factors: " + ", ".join(
+        f"{k} x{v:.3g}" + (f" (at the {math.exp(LIMIT):.0f}x bound)" if max(v, 1 / v) >= bound else "")
+        for k, v in factors.items()
+    )
     return table
 
 
