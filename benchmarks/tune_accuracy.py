@@ -31,7 +31,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.experiments.refine import measured_runs, refine
 from meshforge.experiments.tune import tune
 from meshforge.recipe import load_recipe
-from meshforge.simulate.estimate import submit_roles, trace_pool
+from meshforge.simulate.estimate import role_works, submit_roles, trace_pool
 from meshforge.simulate.hardware import load_profile
 from meshforge.simulate.step_time import predict_step
 
@@ -125,10 +125,7 @@ def bubbles(profile_path: str) -> list[dict]:
         recipe = load_recipe(str(resolve_recipe_path("debug_cpu")), [*base, *overrides])
         dims = ParallelDims.from_config(recipe.mesh)
         with trace_pool() as pool:
-            works = {
-                dims.coordinate(rank)["pp"]: f.result()["work"]
-                for rank, f in submit_roles(recipe, pool, work=True)
-            }
+            works = role_works(submit_roles(recipe, pool, work=True), dims)
         return predict_step(works, dims, recipe.train.grad_accum_steps, profile).step_s
 
     pp, m = recorded["pp"], recorded["microbatches"]

@@ -25,7 +25,7 @@ from meshforge.core.errors import UsageError
 from meshforge.core.topology import ParallelDims
 from meshforge.experiments.compare import find_runs
 from meshforge.recipe import load_recipe
-from meshforge.simulate.estimate import submit_roles, trace_pool
+from meshforge.simulate.estimate import role_works, submit_roles, trace_pool
 from meshforge.simulate.hardware import Link, Profile, save_profile
 from meshforge.simulate.step_time import predict_step
 
@@ -98,7 +98,7 @@ def measured_runs(paths: list[Path], console: Console) -> list[MeasuredRun]:
             pending.append((run, recipe, step, submit_roles(recipe, pool, work=True)))
         for run, recipe, step, traces in pending:
             dims = ParallelDims.from_config(recipe.mesh)
-            works = {dims.coordinate(rank)["pp"]: t.result()["work"] for rank, t in traces}
+            works = role_works(traces, dims)
             name = f"{run.path.parent.name}/{run.name}"
             runs.append(MeasuredRun(name, works, dims, recipe.train.grad_accum_steps, step))
     if not runs:
@@ -127,7 +127,7 @@ def refine(profile: Profile, paths: list[Path], console: Console) -> Profile:
     before = [r.predict(profile) / r.step_s - 1 for r in runs]
     after = [r.predict(refined) / r.step_s - 1 for r in runs]
     console.print(_fit_table(runs, before, after, factors, profile.name))
-    moved = ", ".join(f"{k} x{v:.3g}" for k, v in factors.items())
+    moved = _factors_text(factors, flag_bound=False)
     source = (
         f"{profile.source}\nrefined by {len(runs)} measured runs ({', '.join(map(str, paths))}): {moved}; "
         f"median |error| {_median_abs(before):.1%} -> {_median_abs(after):.1%}"
@@ -139,17 +139,23 @@ def _median_abs(errors: list[float]) -> float:
     return float(np.median(np.abs(errors)))
 
 
+def _factors_text(factors: dict[str, float], flag_bound: bool) -> str:
+    """'matmul x1.2, ...', with `flag_bound` saying which factor stopped at the LIMIT."""
+    bound = math.exp(LIMIT) * (1 - 1e-6)
+    return ", ".join(
+        f"{k} x{v:.3g}"
+        + (f" (at the {math.exp(LIMIT):.0f}x bound)" if flag_bound and max(v, 1 / v) >= bound else "")
+        for k, v in factors.items()
+    )
+
+
 def _fit_table(runs, before, after, factors, name: str) -> Table:
     table = Table(title=f"profile {name} refined by {len(runs)} runs", title_justify="left")
     for col in ("run", "measured step s", "predicted before", "after"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r, b, a in zip(runs, before, after):
         table.add_row(r.name, f"{r.step_s:.4f}", f"{b:+.1%}", f"{a:+.1%}")
-    bound = math.exp(LIMIT) * (1 - 1e-6)
-    table.caption = "factors: " + ", ".join(
-        f"{k} x{v:.3g}" + (f" (at the {math.exp(LIMIT):.0f}x bound)" if max(v, 1 / v) >= bound else "")
-        for k, v in factors.items()
-    )
+    table.caption = "factors: " + _factors_text(factors, flag_bound=True)
     return table
 
 

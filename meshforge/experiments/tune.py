@@ -37,7 +37,7 @@ from meshforge.models import args_from_config
 from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.flops import flops_per_token
-from meshforge.simulate.estimate import heaviest, trace_pool
+from meshforge.simulate.estimate import heaviest, role_works, trace_pool
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.step_time import predict_step
 
@@ -147,7 +147,7 @@ def _predict(row: dict, recipe, traces, profile: Profile, limit: float | None) -
         return row
     dims = ParallelDims.from_config(recipe.mesh)
     peak = heaviest(traces)
-    works = {dims.coordinate(rank)["pp"]: t.result()["work"] for rank, t in traces}
+    works = role_works(traces, dims)
     p = predict_step(works, dims, recipe.train.grad_accum_steps, profile)
     tokens = recipe.train.global_batch_size * recipe.train.seq_len
     per_device = tokens / p.step_s / dims.world_size if p.step_s > 0 else float("inf")

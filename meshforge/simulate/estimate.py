@@ -163,6 +163,11 @@ def submit_roles(recipe: Recipe, pool, work: bool = False) -> list:
     ]
 
 
+def role_works(results: list, dims: ParallelDims) -> dict[int, dict]:
+    """Each pp rank's traced work from `submit_roles(..., work=True)`: what predict_step prices."""
+    return {dims.coordinate(rank)["pp"]: r.result()["work"] for rank, r in results}
+
+
 def heaviest(results: list) -> dict:
     per_role = [
         {k: v for k, v in r.result().items() if k not in ("phases", "work")} | {"rank": rank}
