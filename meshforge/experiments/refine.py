@@ -151,7 +151,7 @@ def _factors_text(factors: dict[str, float], flag_bound: bool) -> str:
 
 def _fit_table(runs, before, after, factors, name: str) -> Table:
     table = Table(title=f"profile {name} refined by {len(runs)} runs", title_justify="left")
-    for col in ("run", "measured step s", "predicted before", "after"):
+    for col in ("run", "measured step s", "error before (predicted / measured - 1)", "error after"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r, b, a in zip(runs, before, after):
         table.add_row(r.name, f"{r.step_s:.4f}", f"{b:+.1%}", f"{a:+.1%}")
