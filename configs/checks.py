@@ -169,7 +169,7 @@ def resolve_batch(r: Recipe) -> list[Problem]:
 
 
 def check_backend(r: Recipe) -> list[Problem]:
-    """backend=jax trains data- and tensor-parallel fp32 recipes without checkpoints."""
+    """backend=jax trains data- and tensor-parallel fp32 recipes, with the torch trainer's checkpoints."""
     if r.backend != "jax":
         return []
     why = "backend=jax trains data- and tensor-parallel recipes"
@@ -201,13 +201,22 @@ def check_backend(r: Recipe) -> list[Problem]:
             )
         )
     c = r.checkpoint
-    if c.enabled or c.load or c.init_from or c.init_from_hf:
+    if c.async_save:
         problems.append(
             Problem(
-                "checkpoint.enabled",
-                c.enabled,
-                f"{why} without checkpoints for now; export a torch checkpoint with "
-                "`meshforge export CKPT --to jax`, or set checkpoint.enabled=false",
+                "checkpoint.async_save",
+                True,
+                f"{why} and saves their checkpoints synchronously (one controller process); "
+                "set checkpoint.async_save=false",
+            )
+        )
+    if c.init_from_hf:
+        problems.append(
+            Problem(
+                "checkpoint.init_from_hf",
+                c.init_from_hf,
+                f"{why} from meshforge checkpoints (checkpoint.load or init_from): convert the HF folder "
+                "with `meshforge import DIR --from hf RECIPE --out SEED` and set checkpoint.init_from=SEED",
             )
         )
     if r.eval.every:

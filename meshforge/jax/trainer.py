@@ -13,6 +13,7 @@ validation.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -22,11 +23,20 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshforge.configs import Recipe
+from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import MachineError, NonFiniteLoss
 from meshforge.core.topology import DP_DIMS, ParallelDims
 from meshforge.jax.bridge import check_even, jax_mesh, jax_twin, placements_to_spec, state_to_pytree
+from meshforge.jax.checkpoint import (
+    Deferred,
+    read_torch_checkpoint,
+    scheduler_state,
+    torch_mirror,
+    with_adam_moments,
+)
 from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder, resolve_load
+from meshforge.run.checkpoint.state import ModelState, OptimizerState
 from meshforge.run.data.loader import build_loader
 from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
@@ -101,9 +111,76 @@ class JaxTrainer(TrainingRun):
             flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu"
         )
         self.run_dir = Path(r.output_dir) / r.run_name
-        self.state = RunState()
+        self._mirror = None  # (torch model, AdamW): what a save writes, made at the save (_checkpoint_meta)
+        self.checkpointer = Checkpointer(
+            r.checkpoint,
+            checkpoint_folder(r.checkpoint, self.run_dir),
+            model=Deferred(lambda: ModelState([self._mirror[0]])),
+            optim=Deferred(lambda: OptimizerState([self._mirror[0]], [self._mirror[1]])),
+            is_main=True,
+            need_bytes=12 * self.n_params,
+        )
+        self._restore()
+        self.state = RunState(step=self.start_step)
         self._token_ce_sum = jax_twin(args).token_ce_sum
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+
+    def _restore(self) -> None:
+        """`checkpoint.load`: a torch run's checkpoint continued here, optimizer and data position
+        included (jax/resume.py); `checkpoint.init_from`: its weights only."""
+        c = self.recipe.checkpoint
+        shapes = {k: tuple(v.shape) for k, v in self.params.items()}
+        if c.load:
+            path = resolve_load(c.load, checkpoint_folder(c, self.run_dir))
+            if path is None:  # `auto` before any checkpoint: a fresh start that continues this run's records
+                self.resumed = {"path": None, "step": 0, "run_id": None}
+                return
+            saved = read_torch_checkpoint(path, self.recipe, self.model_args, shapes)
+            self.opt_state = with_adam_moments(
+                self.opt_state, saved.mu, saved.nu, saved.adam_step, self.shardings
+            )
+            self.loader.restore_from(saved.meta)
+            self.start_step = saved.meta["step"]
+            self.resumed = {"path": str(path), "step": self.start_step, "run_id": saved.meta.get("run_id")}
+        elif c.init_from:
+            path = resolve_load(c.init_from, Path(c.init_from), "checkpoint.init_from")
+            saved = read_torch_checkpoint(path, self.recipe, self.model_args, shapes, weights_only=True)
+        else:
+            return
+        self.params = {k: jax.device_put(v, self.shardings[k]) for k, v in saved.params.items()}
+
+    def _checkpoint_meta(self, step: int) -> dict:
+        """The torch trainer's meta.json for `step`; makes the torch mirror the save then writes."""
+        r = self.recipe
+        lr = r.optimizer.lr * lr_multiplier(
+            step, r.train.steps, r.lr_scheduler
+        )  # the next step's, as torch leaves it
+        adam = self.opt_state.inner_state[0]
+        params, mu, nu = jax.device_get((self.params, adam.mu, adam.nu))
+        self._mirror = torch_mirror(r, self.model_args, params, mu, nu, int(adam.count), lr)
+        return {
+            "step": step,
+            **self.loader.checkpoint_state(),
+            "lr_scheduler": scheduler_state(r, step, lr),
+            "loss_scale": None,
+            "run_id": self.run_id,
+            "mesh": self.dims.degrees,
+            "recipe": recipe_to_dict(r),
+            "model_args": dataclasses.asdict(self.model_args),
+            "backend": "jax",
+        }
+
+    def after_step(self, step: int, result: StepResult) -> float | None:
+        """The torch trainer's checkpoint policy (interval, the end, a stop signal)."""
+        last = step == self.recipe.train.steps
+        seconds = self.checkpointer.maybe_save(
+            step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
+        )
+        self._mirror = None
+        return seconds
+
+    def latest_checkpoint(self) -> Path | None:
+        return self.checkpointer.latest()
 
     def _train_step(self, params, opt_state, tokens, labels):
         args, max_norm = self.model_args, self.recipe.train.max_norm
