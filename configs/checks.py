@@ -169,7 +169,7 @@ def resolve_batch(r: Recipe) -> list[Problem]:
 
 
 def check_backend(r: Recipe) -> list[Problem]:
-    """backend=jax trains data- and tensor-parallel fp32 recipes, with the torch trainer's checkpoints."""
+    """backend=jax trains data- and tensor-parallel fp32/bf16 recipes, with torch's checkpoints."""
     if r.backend != "jax":
         return []
     why = "backend=jax trains data- and tensor-parallel recipes"
@@ -183,12 +183,22 @@ def check_backend(r: Recipe) -> list[Problem]:
                 "(and give its ranks to dp_shard or tp) or backend=torch",
             )
         )
-    if r.fsdp.param_dtype != "float32":
+    if r.fsdp.param_dtype == "float16":
         problems.append(
             Problem(
                 "fsdp.param_dtype",
                 r.fsdp.param_dtype,
-                f"{why} in float32 for now; set fsdp.param_dtype=float32 or backend=torch",
+                f"{why} in float32 or bfloat16: float16 needs loss scaling, which is torch-only; "
+                "set fsdp.param_dtype=bfloat16 or backend=torch",
+            )
+        )
+    if r.fsdp.reduce_dtype != "float32":
+        problems.append(
+            Problem(
+                "fsdp.reduce_dtype",
+                r.fsdp.reduce_dtype,
+                f"{why} with gradients summed as XLA partitions the step (no reduce dtype to set); "
+                "set fsdp.reduce_dtype=float32 or backend=torch",
             )
         )
     if r.mesh.cp > 1:

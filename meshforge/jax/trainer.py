@@ -35,6 +35,7 @@ from meshforge.jax.checkpoint import (
     with_adam_moments,
 )
 from meshforge.models import args_from_config, count_params, get_model_spec
+from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder, resolve_load
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
 from meshforge.run.data.loader import build_loader
@@ -104,9 +105,12 @@ class JaxTrainer(TrainingRun):
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DP_DIMS))
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
         self.loader = build_loader(r, args.vocab_size, micro=r.train.global_batch_size)
+        # bf16 as FSDP's MixedPrecisionPolicy does it: fp32 master weights, cast for the step's compute
+        self.compute_dtype = jnp.bfloat16 if r.fsdp.param_dtype == "bfloat16" else None
         peak = None
         if jax.default_backend() == "cpu":  # the world's devices share this process's cores
-            peak = measure_cpu_matmul_flops() * cpu_share(world, torch.get_num_threads(), usable_cores())
+            rate = measure_cpu_matmul_flops(dtype=DTYPES[r.fsdp.param_dtype])
+            peak = rate * cpu_share(world, torch.get_num_threads(), usable_cores())
         self.throughput = Throughput(
             flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu"
         )
@@ -186,6 +190,8 @@ class JaxTrainer(TrainingRun):
         args, max_norm = self.model_args, self.recipe.train.max_norm
 
         def ce_sum(p):
+            if self.compute_dtype is not None:  # the gradient flows back to the fp32 masters through the cast
+                p = jax.tree.map(lambda x: x.astype(self.compute_dtype), p)
             return self._token_ce_sum(p, tokens, labels, args, IGNORE_INDEX)
 
         (total, n_tokens), grads = jax.value_and_grad(ce_sum, has_aux=True)(params)
