@@ -229,10 +229,6 @@ def check_backend(r: Recipe) -> list[Problem]:
                 "with `meshforge import DIR --from hf RECIPE --out SEED` and set checkpoint.init_from=SEED",
             )
         )
-    if r.eval.every:
-        problems.append(
-            Problem("eval.every", r.eval.every, f"{why} without evaluation for now; set eval.every=0")
-        )
     return problems
 
 

@@ -36,7 +36,6 @@ MESHES = {
         (["data.source=files", "data.path=x/*.jsonl"], "eval.path", "never on training data"),
         (["data.source=hf", "data.hf_dataset=org/name"], "eval.split", "never on training data"),
         (["eval.path=held/*.jsonl"], "eval.path", "is not read with data.source = 'synthetic'"),
-        (["backend=jax"], "eval.every", "without evaluation for now"),
         (
             ["mesh.pp=2", "mesh.dp_shard=4", "pp.schedule=ZBVZeroBubble", "pp.stages_per_rank=2"],
             "eval.every",

@@ -85,9 +85,18 @@ def runs(tmp_path_factory):
         "checkpoint.enabled=true",
         "checkpoint.interval=5",
         "checkpoint.keep_latest=0",
+        "eval.every=5",
     )
     torch5 = out / "torch" / "checkpoints" / "step-00000005"
-    _run(out, "jax_from_torch", "backend=jax", *TORCH_FSDP_TP, "train.steps=10", f"checkpoint.load={torch5}")
+    _run(
+        out,
+        "jax_from_torch",
+        "backend=jax",
+        *TORCH_FSDP_TP,
+        "train.steps=10",
+        f"checkpoint.load={torch5}",
+        "eval.every=5",
+    )
     stopped = _sigterm_after(
         out,
         "jax",
@@ -120,12 +129,16 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_torch_checkpoint_continues_in_jax_with_the_same_losses(runs):
-    """torch FSDP 2 x TP 2 -> JAX dp 2 x tp 2 at step 5: steps 6-10 are the torch run's own."""
+    """torch FSDP 2 x TP 2 -> JAX dp 2 x tp 2 at step 5: steps 6-10 are the torch run's own, and so
+    is the held-out evaluation at step 10."""
     out, _, _ = runs
     torch_rows, jax_rows = _by_step(out / "torch"), _by_step(out / "jax_from_torch")
     assert sorted(jax_rows) == list(range(6, 11))
     assert _worst(torch_rows, jax_rows, range(6, 11)) <= TOL
     assert [jax_rows[s]["lr"] for s in range(6, 11)] == [torch_rows[s]["lr"] for s in range(6, 11)]
+    assert [s for s in jax_rows if "eval/loss" in jax_rows[s]] == [10]
+    assert abs(jax_rows[10]["eval/loss"] - torch_rows[10]["eval/loss"]) <= TOL
+    assert jax_rows[10]["eval/loss"] != torch_rows[5]["eval/loss"]  # evaluated now, not carried over
     info = json.loads((out / "jax_from_torch" / "run.json").read_text())
     assert info["backend"] == "jax" and info["status"] == "finished"
 

@@ -14,6 +14,7 @@ validation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -44,6 +45,7 @@ from meshforge.run.observe.describe import run_info
 from meshforge.run.observe.flops import cpu_share, flops_per_token, measure_cpu_matmul_flops, usable_cores
 from meshforge.run.observe.memory import memory_metrics, rank_memory
 from meshforge.run.observe.record import RunState, Throughput
+from meshforge.run.train.evaluate import Evaluator
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.optim import lr_multiplier
 from meshforge.run.train.step import IGNORE_INDEX
@@ -105,6 +107,9 @@ class JaxTrainer(TrainingRun):
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DP_DIMS))
         # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
         self.loader = build_loader(r, args.vocab_size, micro=r.train.global_batch_size)
+        self.evaluator = Evaluator(
+            r, args.vocab_size, 0, 1, None, torch.device("cpu"), r.train.global_batch_size
+        )
         # bf16 as FSDP's MixedPrecisionPolicy does it: fp32 master weights, cast for the step's compute
         self.compute_dtype = jnp.bfloat16 if r.fsdp.param_dtype == "bfloat16" else None
         peak = None
@@ -128,6 +133,28 @@ class JaxTrainer(TrainingRun):
         self.state = RunState(step=self.start_step)
         self._token_ce_sum = jax_twin(args).token_ce_sum
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+        self._eval_ce = jax.jit(lambda p, tokens, labels: self._ce_sum(p, tokens, labels)[0])
+
+    def _ce_sum(self, params, tokens, labels):
+        """The batch's token cross-entropy sum and token count, computed in the recipe's dtype."""
+        if self.compute_dtype is not None:  # the gradient flows back to the fp32 masters through the cast
+            params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+        return self._token_ce_sum(params, tokens, labels, self.model_args, IGNORE_INDEX)
+
+    def evaluate(self, batches) -> torch.Tensor:
+        """The held-out batches' cross-entropy sum (Evaluator's forward)."""
+        total = 0.0
+        for b in batches:
+            tokens, labels = (self._on_mesh(t) for t in (b.inputs, b.labels))
+            total += float(self._eval_ce(self.params, tokens, labels))
+        return torch.tensor(total)
+
+    def _on_mesh(self, t: torch.Tensor) -> jax.Array:
+        return jax.device_put(t.numpy().astype(np.int32), self.batch_sharding)
+
+    def close_sources(self) -> None:
+        self.loader.close()
+        self.evaluator.close()
 
     def _restore(self) -> None:
         """`checkpoint.load`: a torch run's checkpoint continued here, optimizer and data position
@@ -175,7 +202,10 @@ class JaxTrainer(TrainingRun):
         }
 
     def after_step(self, step: int, result: StepResult) -> float | None:
-        """The torch trainer's checkpoint policy (interval, the end, a stop signal)."""
+        """Evaluation when due, then the torch trainer's checkpoint policy (interval, the end, a
+        stop signal)."""
+        if self.evaluator.due(step):
+            result.eval = self.evaluator(self)
         last = step == self.recipe.train.steps
         seconds = self.checkpointer.maybe_save(
             step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
@@ -187,13 +217,8 @@ class JaxTrainer(TrainingRun):
         return self.checkpointer.latest()
 
     def _train_step(self, params, opt_state, tokens, labels):
-        args, max_norm = self.model_args, self.recipe.train.max_norm
-
-        def ce_sum(p):
-            if self.compute_dtype is not None:  # the gradient flows back to the fp32 masters through the cast
-                p = jax.tree.map(lambda x: x.astype(self.compute_dtype), p)
-            return self._token_ce_sum(p, tokens, labels, args, IGNORE_INDEX)
-
+        max_norm = self.recipe.train.max_norm
+        ce_sum = functools.partial(self._ce_sum, tokens=tokens, labels=labels)
         (total, n_tokens), grads = jax.value_and_grad(ce_sum, has_aux=True)(params)
         grads = jax.tree.map(lambda g: g / n_tokens, grads)
         norm = optax.global_norm(grads)
@@ -207,8 +232,7 @@ class JaxTrainer(TrainingRun):
         (batch,) = self.loader.next_step()
         lr = r.optimizer.lr * lr_multiplier(step - 1, r.train.steps, r.lr_scheduler)
         self.opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, dtype=jnp.float32)
-        tokens = jax.device_put(batch.inputs.numpy().astype(np.int32), self.batch_sharding)
-        labels = jax.device_put(batch.labels.numpy().astype(np.int32), self.batch_sharding)
+        tokens, labels = self._on_mesh(batch.inputs), self._on_mesh(batch.labels)
         self.params, self.opt_state, loss, norm, _ = self._step(self.params, self.opt_state, tokens, labels)
         # The one host read a step makes: the non-finite guard. It also waits for the step, which
         # JAX dispatches asynchronously, so the step's time ends where the step does.

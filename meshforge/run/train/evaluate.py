@@ -45,14 +45,25 @@ def data_streams(recipe: Recipe, vocab_size: int, meshes, dims, device) -> tuple
 
 
 class Evaluator:
-    def __init__(self, recipe: Recipe, vocab_size: int, dp_rank: int, dp_size: int, dp_group, device):
+    def __init__(
+        self,
+        recipe: Recipe,
+        vocab_size: int,
+        dp_rank: int,
+        dp_size: int,
+        dp_group,
+        device,
+        micro: int | None = None,
+    ):
+        """`micro`: windows per micro-batch when not the recipe's (one JAX controller reads every
+        dp rank's part of a global batch at once)."""
         self.cfg, self.steps, self.device, self.tp = recipe.eval, recipe.train.steps, device, recipe.mesh.tp
         self.dp_group = dp_group
         self.loader: StepLoader | None = None
         self.last: dict = {}
         if not self.cfg.every:
             return
-        self.loader = build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group)
+        self.loader = build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group, micro)
         self.loader.hold_steps(self.cfg.batches)  # a corpus: the held-out part must hold every batch
         if recipe.data.source == "synthetic":  # its held-out samples: a range training never reaches
             self.loader.load_state_dict({"position": HELD_OUT_INDEX})
@@ -61,7 +72,7 @@ class Evaluator:
     def due(self, step: int) -> bool:
         return self.loader is not None and (step % self.cfg.every == 0 or step == self.steps)
 
-    def __call__(self, forward: ForwardBackward) -> dict:
+    def __call__(self, forward: ForwardBackward) -> dict:  # or anything with its `evaluate(batches)`
         """Evaluate the model now; the metrics to log."""
         self.loader.load_state_dict(self._start)  # the same batches every time
         ce = torch.zeros((), device=self.device)
