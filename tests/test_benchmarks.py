@@ -183,3 +183,19 @@ def test_tune_accuracy_benchmark_writes_its_results_and_cross_refines(tmp_path):
         assert refined["rows"][0]["measured_s"] == result[name]["rows"][0]["measured_s"]  # the same run
     text = (tmp_path / "tune_accuracy.md").read_text()
     assert "with the profile refined on llm_1b's runs" in text
+
+
+@pytest.mark.slow
+def test_jax_backends_benchmark_writes_its_results(tmp_path):
+    """torch, the JAX twin and torchax for 4 steps: the files, and the two JAX runs' numbers
+    against torch's (torchax runs the torch module itself: the same model, the same numbers)."""
+    proc = run_benchmark("jax_backends.py", ["--steps", "4", "--out", str(tmp_path)], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "jax_backends.json").read_text())
+    backends = result["backends"]
+    assert set(backends) == {"torch", "twin", "torchax"} and all(b["step_s"] > 0 for b in backends.values())
+    assert backends["torch"]["max_loss_delta_vs_torch"] == 0.0
+    assert (
+        backends["twin"]["max_loss_delta_vs_torch"] <= 1e-5 >= backends["torchax"]["max_loss_delta_vs_torch"]
+    )
+    assert "| torchax |" in (tmp_path / "jax_backends.md").read_text()

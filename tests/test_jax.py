@@ -200,59 +200,6 @@ def test_dlpack_shares_memory_both_ways():
 
 
 @pytest.mark.slow
-def test_the_same_recipe_trains_in_jax_and_matches_torch(tmp_path):
-    """FSDP 2 x TP 2 in torch (4 gloo processes) and backend=jax (4 JAX devices, the torch
-    run's shardings): 20 fp32 steps from the same init and data, losses within 1e-4;
-    `meshforge compare` shows both runs and checks their parity."""
-    common = [
-        str(RECIPES / "debug_cpu.toml"),
-        "mesh.pp=1",
-        "mesh.dp_shard=2",
-        "mesh.tp=2",
-        "train.steps=20",
-        "optimizer.lr=3e-3",  # the schedule the 1e-4 tolerance was measured with
-        "lr_scheduler.warmup_steps=10",
-        "logging.progress=false",
-        "logging.wandb=false",
-        f"output_dir={tmp_path}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the device count itself
-    from conftest import cli_env
-
-    for name, extra in (("torch", []), ("jax", ["backend=jax"])):
-        proc = run_cli([*common, f"run_name={name}", *extra], cwd=tmp_path, env=cli_env(**env))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    from conftest import read_metrics
-
-    torch_rows, jax_rows = read_metrics(tmp_path / "torch"), read_metrics(tmp_path / "jax")
-    assert [r["step"] for r in jax_rows] == list(range(1, 21)) and set(torch_rows[0]) <= set(jax_rows[0]) | {
-        k for k in torch_rows[0] if k.startswith("mem_breakdown/")
-    }
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(torch_rows, jax_rows)) <= 1e-4
-    assert jax_rows[-1]["loss"] < jax_rows[0]["loss"] - 1.0  # it trains
-    info = json.loads((tmp_path / "jax" / "run.json").read_text())
-    assert info["backend"] == "jax" and info["status"] == "finished"
-    assert info["param_specs"]["layers.0.attention.wq.weight"] == str(P(("tp", "dp_shard")))
-    proc = run_cli(
-        [
-            "compare",
-            str(tmp_path / "torch"),
-            str(tmp_path / "jax"),
-            "--baseline",
-            "torch",
-            "--tol",
-            "1e-4",
-            "--out",
-            str(tmp_path / "plots"),
-        ],
-        cwd=tmp_path,
-        program="meshforge",
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "jax" in proc.stdout and (tmp_path / "plots" / "loss_vs_step.png").exists()
-
-
-@pytest.mark.slow
 def test_a_bf16_jax_run_stays_within_bf16s_own_spread_of_the_torch_run(tmp_path):
     """fsdp.param_dtype=bfloat16 under backend=jax: fp32 masters cast to bf16 for the step, as
     FSDP's MixedPrecisionPolicy does. 50 steps of FSDP 2 x TP 2 against the torch run: measured

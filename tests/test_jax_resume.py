@@ -1,6 +1,8 @@
 """One experiment, two frameworks: a torch checkpoint resumes under backend=jax, a JAX run's
 checkpoint resumes in torch (pipelines included), and a JAX run stopped by SIGTERM resumes on
-another mesh, each continuing the same losses as the run that never changed framework."""
+another mesh, each continuing the same losses as the run that never changed framework. The JAX
+run from the torch run's init takes the same steps too, with the torch run's PartitionSpecs, and
+`meshforge compare` reads both frameworks' records."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 
 pytest.importorskip("jax", reason="the jax extra (installed by .[all], as CI does)")
 from conftest import RECIPES, cli_env, read_metrics, run_cli  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshforge.configs import recipe_to_dict  # noqa: E402
 from meshforge.core.errors import CheckpointError  # noqa: E402
@@ -141,6 +144,24 @@ def test_a_torch_checkpoint_continues_in_jax_with_the_same_losses(runs):
     assert jax_rows[10]["eval/loss"] != torch_rows[5]["eval/loss"]  # evaluated now, not carried over
     info = json.loads((out / "jax_from_torch" / "run.json").read_text())
     assert info["backend"] == "jax" and info["status"] == "finished"
+    assert info["param_specs"]["layers.0.attention.wq.weight"] == str(P(("tp", "dp_shard")))  # FSDP in TP
+    plots = out / "plots"
+    args = [
+        "compare",
+        str(out / "torch"),
+        str(out / "jax_from_torch"),
+        "--baseline",
+        "torch",
+        "--tol",
+        "1e-5",
+    ]
+    proc = run_cli([*args, "--out", str(plots)], cwd=out, program="meshforge")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "jax_from_torch │ 5 " in proc.stdout
+        and "same" in proc.stdout
+        and (plots / "loss_vs_step.png").exists()
+    )
 
 
 @pytest.mark.slow
