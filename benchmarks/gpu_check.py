@@ -1,6 +1,10 @@
 """The CUDA path on one GPU, as a user runs it: the default recipe on `cuda` (with its memory
 metrics checked), then a one-GPU llm_1b in bf16, eager and compiled, and once with
-`fsdp.cpu_offload`, each beside `meshforge estimate` of the same recipe.
+`fsdp.cpu_offload`, each beside `meshforge estimate` of the same recipe; float8 rowwise and
+tensorwise against bf16 after 50 steps (speed and loss); activation checkpointing from none
+through per-op and memory budgets 0.7/0.5/0.3 to full (tokens/s against peak memory, the
+estimate's error on each); one profiled step's trace kept in the results.
+`--dry-run` validates every run's recipe and prints its command, on any machine.
 
     bash benchmarks/gpu_check.sh                    # writes benchmarks/results/gpu_check.{json,md}
     python benchmarks/gpu_check.py --steps 30 --out /tmp/gpu
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +27,9 @@ from pathlib import Path
 import torch
 from recorded import provenance, save  # benchmarks/recorded.py
 
+from meshforge.configs import RecipeError
 from meshforge.core.units import GiB
+from meshforge.recipe import load_recipe
 from meshforge.run.observe.memory import PEAK
 from meshforge.simulate.estimate import estimate_rows
 
@@ -37,6 +45,7 @@ SYNTHETIC = [
     "data.shuffle_windows=0",
 ]
 LLM_1B_ONE_GPU = [*ONE_GPU, *SYNTHETIC, "activation_checkpoint.mode=none", "logging.log_every=5"]
+LLM_1B_COMPILED = [*LLM_1B_ONE_GPU, "compile.enabled=true", "logging.memory_history=false"]
 
 # name: (recipe, overrides, steps scale): the runs this check makes, in order
 RUNS: dict[str, tuple[str, list[str], float]] = {
@@ -66,7 +75,43 @@ RUNS: dict[str, tuple[str, list[str], float]] = {
         [*ONE_GPU, *SYNTHETIC, "compile.enabled=true", "logging.memory_history=false", "logging.log_every=5"],
         1,
     ),
+    # activation checkpointing's Pareto (#28), beside no AC (llm_1b_bf16_compile) and full AC above
+    "llm_1b_ac_op_compile": (
+        "llm_1b",
+        [*LLM_1B_COMPILED, "activation_checkpoint.mode=op"],
+        0.5,
+    ),
+    **{
+        f"llm_1b_memory_budget_{b}_compile": (
+            "llm_1b",
+            [
+                *LLM_1B_COMPILED,
+                "activation_checkpoint.mode=memory_budget",
+                f"activation_checkpoint.memory_budget={b}",
+            ],
+            0.5,
+        )
+        for b in ("0.3", "0.5", "0.7")
+    },
+    # one profiled step (torch.profiler's Chrome trace, gzipped into the results)
+    "llm_1b_bf16_compile_profiled": (
+        "llm_1b",
+        [*LLM_1B_COMPILED, "profile.start_step=8", "profile.steps=1"],
+        0.34,
+    ),
 }
+# float8's loss is judged against bf16's after LOSS_STEPS steps (the runs' steps are raised to it)
+LOSS_STEPS = 50
+FLOAT8_BASELINE = "llm_1b_bf16_compile"
+FLOAT8_RUNS = ("llm_1b_float8_rowwise_compile", "llm_1b_float8_tensorwise_compile")
+PARETO = (
+    "llm_1b_bf16_compile",
+    "llm_1b_ac_op_compile",
+    "llm_1b_memory_budget_0.7_compile",
+    "llm_1b_memory_budget_0.5_compile",
+    "llm_1b_memory_budget_0.3_compile",
+    "llm_1b_recipe_ac_full_compile",
+)
 
 
 def run(name: str, recipe: str, overrides: list[str], steps: int, out: Path, timeout: float = 300) -> dict:
@@ -132,10 +177,96 @@ def memory_problems(result: dict) -> list[str]:
     return problems
 
 
+def estimate_error(r: dict) -> str:
+    """The estimate against the measured peak, as a signed percentage ('-' without both)."""
+    peak, est = r.get("summary", {}).get("peak_memory_gib"), r.get("estimate_gib")
+    return f"{est / peak - 1:+.1%}" if peak and est else "-"
+
+
+def float8_table(results: dict[str, dict]) -> list[str]:
+    """float8's speed and loss against bf16 compiled, after the same LOSS_STEPS steps."""
+    base = results.get(FLOAT8_BASELINE, {}).get("summary")
+    if not base:
+        return []
+    lines = [
+        "",
+        f"float8 against {FLOAT8_BASELINE} after {LOSS_STEPS} steps "
+        "(targets: >= +25% tokens/s, loss within 1%):",
+        "",
+        "| run | tokens/s vs bf16 | final loss | vs bf16's |",
+        "|---|---|---|---|",
+    ]
+    for name in FLOAT8_RUNS:
+        s = results.get(name, {}).get("summary")
+        if s:
+            speed, loss = (
+                s["tokens_per_sec"] / base["tokens_per_sec"] - 1,
+                s["final_loss"] / base["final_loss"] - 1,
+            )
+            lines.append(f"| {name} | {speed:+.1%} | {s['final_loss']:.4f} | {loss:+.2%} |")
+    return lines
+
+
+def pareto_table(results: dict[str, dict]) -> list[str]:
+    """Activation checkpointing from none to full: tokens/s against peak memory, and the estimate's error."""
+    rows = [(n, results[n]) for n in PARETO if "summary" in results.get(n, {})]
+    if not rows:
+        return []
+    lines = ["", "activation checkpointing (bf16 compiled):", ""]
+    lines += ["| run | tokens/s | peak GiB | estimate GiB | estimate error |", "|---|---|---|---|---|"]
+    for name, r in rows:
+        s = r["summary"]
+        lines.append(
+            f"| {name} | {s['tokens_per_sec']:,.0f} | {s['peak_memory_gib']:.2f} "
+            f"| {r.get('estimate_gib', 0):.2f} | {estimate_error(r)} |"
+        )
+    return lines
+
+
+def keep_profile(run_dir: Path, out: Path) -> str | None:
+    """The profiled run's rank-0 trace, gzipped into the results folder; its path."""
+    traces = sorted(run_dir.rglob("rank0.pt.trace.json"))
+    if not traces:
+        return None
+    kept = out / "gpu_check_profile_rank0.pt.trace.json.gz"
+    out.mkdir(parents=True, exist_ok=True)
+    with traces[0].open("rb") as src, gzip.open(kept, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return str(kept.relative_to(REPO) if kept.is_relative_to(REPO) else kept)
+
+
+def steps_of(name: str, steps: int) -> int:
+    """A run's steps: the check's, scaled per run, float8 and its baseline at least LOSS_STEPS."""
+    n = max(6, int(steps * RUNS[name][2]))
+    return max(n, LOSS_STEPS) if name in (*FLOAT8_RUNS, FLOAT8_BASELINE) else n
+
+
+def dry_run(names: list[str], steps: int, runs_dir: Path) -> int:
+    """Every run's recipe validated here (no GPU needed) and its command printed."""
+    failed = 0
+    for name in names:
+        recipe, overrides, _ = RUNS[name]
+        final = [
+            *overrides,
+            *QUIET,
+            f"train.steps={steps_of(name, steps)}",
+            f"output_dir={runs_dir}",
+            f"run_name={name}",
+        ]
+        try:
+            load_recipe(str(REPO / "recipes" / f"{recipe}.toml"), final)
+            verdict = "valid"
+        except RecipeError as e:
+            verdict, failed = f"INVALID: {e}", failed + 1
+        print(f"{name}: {verdict}\n  run_recipe recipes/{recipe}.toml {' '.join(final)}")
+    return 1 if failed else 0
+
+
 def table(results: dict[str, dict]) -> list[str]:
     lines = [
-        "| run | tokens/s | MFU | TFLOP/s | peak GiB (measured) | estimate GiB | wall s | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | tokens/s | MFU | TFLOP/s | peak GiB (measured) | estimate GiB | estimate error | wall s "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         s = r.get("summary", {})
@@ -147,7 +278,8 @@ def table(results: dict[str, dict]) -> list[str]:
         mfu = f"{s['mfu']:.1%}" if "mfu" in s else "-"
         lines.append(
             f"| {name} | {s.get('tokens_per_sec', 0):,.0f} | {mfu} | {s.get('tflops_per_device', 0):.1f} "
-            f"| {s.get('peak_memory_gib', 0):.2f} | {r.get('estimate_gib', 0):.2f} | {r['wall_s']} | {note} |"
+            f"| {s.get('peak_memory_gib', 0):.2f} | {r.get('estimate_gib', 0):.2f} | {estimate_error(r)} "
+            f"| {r['wall_s']} | {note} |"
         )
     return lines
 
@@ -155,7 +287,9 @@ def table(results: dict[str, dict]) -> list[str]:
 def record(results: dict[str, dict], out: Path) -> list[str]:
     machine = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
     md = [f"# GPU check ({machine['gpu']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})", ""]
-    md += table(results)
+    md += table(results) + float8_table(results) + pareto_table(results)
+    if profile := results.get("llm_1b_bf16_compile_profiled", {}).get("profile_trace"):
+        md += ["", f"one profiled step (rank 0, Chrome trace for Perfetto / TensorBoard): `{profile}`"]
     md += [
         "",
         "tokens/s and MFU: steady steps (warm-up and checkpoint steps left out); MFU of bf16 dense peak.",
@@ -172,16 +306,23 @@ def main() -> int:
     )
     p.add_argument("--runs-dir", default="/tmp/meshforge_gpu_check", help="folder for the run records")
     p.add_argument("--only", default=None, help="comma-separated run names")
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate every run's recipe and print it; no GPU needed"
+    )
     a = p.parse_args()
+    names = a.only.split(",") if a.only else list(RUNS)
+    if a.dry_run:
+        return dry_run(names, a.steps, Path(a.runs_dir))
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check", file=sys.stderr)
         return 2
-    names = a.only.split(",") if a.only else list(RUNS)
     results = {}
     for name in names:
-        recipe, overrides, scale = RUNS[name]
-        results[name] = run(name, recipe, overrides, max(6, int(a.steps * scale)), Path(a.runs_dir))
+        recipe, overrides, _ = RUNS[name]
+        results[name] = run(name, recipe, overrides, steps_of(name, a.steps), Path(a.runs_dir))
         results[name]["problems"] = memory_problems(results[name]) if "error" not in results[name] else []
+        if "profile.steps=1" in overrides and "error" not in results[name]:
+            results[name]["profile_trace"] = keep_profile(Path(a.runs_dir) / name, Path(a.out))
         print(table({name: results[name]})[-1], flush=True)
         md = record(results, Path(a.out))  # after every run: a check cut short keeps what it measured
     print("\n".join(md))

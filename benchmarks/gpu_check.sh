@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The CUDA path on a one-GPU machine, in one go (a few minutes on an H100/H200): the default
+# The CUDA path on a one-GPU machine, in one go (about 10 minutes on an H100/H200): the default
 # recipe on cuda with its memory metrics checked, then llm_1b on one GPU in bf16 (eager,
-# compiled, float8 rowwise and tensorwise compiled, with full AC, and with fsdp.cpu_offload), each
+# compiled, float8 rowwise and tensorwise compiled against bf16 after 50 steps, AC from none
+# through per-op and memory budgets 0.7/0.5/0.3 to full, fsdp.cpu_offload, one profiled step), each
 # with tokens/s, MFU and peak memory beside `meshforge estimate`. Writes
-# benchmarks/results/gpu_check.{json,md} (or --out DIR).
+# benchmarks/results/gpu_check.{json,md} (or --out DIR) and the profiled step's trace beside them.
 #
-#   bash benchmarks/gpu_check.sh [--steps 30] [--out DIR] [--only name,name]
+#   bash benchmarks/gpu_check.sh [--steps 30] [--out DIR] [--only name,name] [--dry-run]
 #
 # It installs meshforge (editable, no dependencies fetched) into the python it finds when
 # meshforge is not importable yet; wheels in .whl/ (for a machine without network) go first.

@@ -161,8 +161,8 @@ def main() -> int:
     ]
     for name, r in result.items():
         md.append(
-            f"| {name} | {r['step_s']:.4f} | {r['tokens_per_sec']:,.0f} | "
-            f"{r['max_loss_delta_vs_torch']:.1e} | {r['max_grad_norm_delta_vs_torch']:.1e} | {r['final_loss']:.4f} |"
+            f"| {name} | {r['step_s']:.4f} | {r['tokens_per_sec']:,.0f} | {r['max_loss_delta_vs_torch']:.1e} "
+            f"| {r['max_grad_norm_delta_vs_torch']:.1e} | {r['final_loss']:.4f} |"
         )
     save(Path(a.out), "jax_backends", record, md)
     print("\n".join(md))

@@ -66,6 +66,20 @@ def test_gpu_check_says_so_on_a_machine_without_cuda(tmp_path):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
+def test_gpu_check_dry_run_validates_every_run_without_a_gpu(tmp_path):
+    """The GPU check is prepared here: every run's recipe (float8, per-op AC, memory budgets, the
+    profiled step among them) validates on this machine, and float8 and its bf16 baseline run 50 steps."""
+    proc = run_benchmark("gpu_check.py", ["--dry-run", "--runs-dir", str(tmp_path)], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    verdicts = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if not line.startswith(" "))
+    assert len(verdicts) == 13 and set(verdicts.values()) == {"valid"}, verdicts
+    for name in ("llm_1b_ac_op_compile", "llm_1b_memory_budget_0.3_compile", "llm_1b_bf16_compile_profiled"):
+        assert name in verdicts
+    commands = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  run_recipe")]
+    float8 = [c for c in commands if "float8.enabled=true" in c]
+    assert len(float8) == 2 and all("train.steps=50" in c for c in float8)
+
+
 @pytest.mark.slow
 def test_fsdp_memory_scaling_benchmark_writes_its_results(tmp_path):
     proc = run_benchmark(
