@@ -189,14 +189,15 @@ DEEP = ["model.n_layers=12", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=
         ["mesh.tp=2", "mesh.pp=2", "model.n_layers=20", "model.name=qwen3", "model.tie_embeddings=true"],
         # stages of 21 blocks, every 2nd checkpointed: stage 1 starts at an odd layer id (21)
         ["mesh.dp_shard=2", "mesh.pp=2", "model.n_layers=42", "activation_checkpoint.mode=selective"],
-        # one rank holds stages of 20 and 18 blocks (Interleaved1F1B: stages 0 and 2 of 4)
+        # one rank holds stages of 14 and 12 blocks (Interleaved1F1B: stages 0 and 2 of 4), deep
+        # enough that tracing 6 + 4 blocks and one more of each is cheaper than all 26
         [
             "mesh.dp_shard=2",
             "mesh.pp=2",
-            "model.n_layers=74",
+            "model.n_layers=50",
             "pp.schedule=Interleaved1F1B",
             "pp.stages_per_rank=2",
-            "pp.layers_per_stage=[20,18,18,18]",
+            "pp.layers_per_stage=[14,12,12,12]",
         ],
         # shallow, the step peaks at the head's backward (logits); 48 blocks deep, at the first
         # blocks' (every gradient alive): extrapolating the step's peak said 9.6% too little
