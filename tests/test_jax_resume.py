@@ -26,6 +26,7 @@ from meshforge.core.errors import CheckpointError  # noqa: E402
 from meshforge.jax.checkpoint import model_refusal, read_torch_checkpoint, state_refusals  # noqa: E402
 from meshforge.models import args_from_config  # noqa: E402
 from meshforge.recipe import load_recipe  # noqa: E402
+from meshforge.run.checkpoint.state import optimizer_changes  # noqa: E402
 
 # every step inside warmup (lr = 3e-2 x (s+1)/100): the LR does not depend on train.steps, so runs
 # of different lengths take the same steps
@@ -186,8 +187,9 @@ def test_a_stopped_jax_run_resumes_on_another_mesh_and_in_torch_on_a_pipeline(ru
     assert json.loads((out / "jax" / "run.json").read_text())["status"] == "finished"
 
 
-def test_what_a_jax_run_cannot_continue_is_refused_by_name(tmp_path):
-    """Another model, other AdamW settings, an fp16 run's loss scale: refused naming what differs."""
+def test_what_a_jax_run_cannot_continue_is_refused_and_changed_settings_are_said(tmp_path):
+    """Another model, another optimizer, an fp16 run's loss scale: refused naming what differs.
+    Changed AdamW settings are the recipe's from the resumed step on (as in torch), and listed."""
     recipe = load_recipe(
         str(RECIPES / "debug_cpu.toml"),
         ["backend=jax", "mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2"],
@@ -204,16 +206,16 @@ def test_what_a_jax_run_cannot_continue_is_refused_by_name(tmp_path):
     assert model_refusal(meta, args) is None and state_refusals(meta, recipe) == []
     wider = {**meta, "model_args": {**meta["model_args"], "dim": args.dim * 2}}
     assert f"dim: {args.dim * 2} -> {args.dim}" in model_refusal(wider, args)
-    betas = {
-        **meta,
-        "recipe": {**meta["recipe"], "optimizer": {**meta["recipe"]["optimizer"], "betas": [0.8, 0.9]}},
-    }
-    (why,) = state_refusals(betas, recipe)
-    assert "optimizer.betas" in why and "[0.8, 0.9]" in why
     (why,) = state_refusals({**meta, "loss_scale": {"scale": 1024.0}}, recipe)
     assert "fp16" in why and "checkpoint.init_from" in why
-    (tmp_path / "meta.json").write_text(json.dumps(betas))
-    with pytest.raises(CheckpointError, match="cannot resume .* optimizer.betas"):
+    saved = meta["recipe"]["optimizer"]
+    assert optimizer_changes({**saved, "betas": [0.8, 0.9]}, recipe.optimizer) == [
+        f"optimizer.betas: [0.8, 0.9] -> {list(recipe.optimizer.betas)!r}"
+    ]
+    assert optimizer_changes(saved, recipe.optimizer) == []
+    other = {**meta, "recipe": {**meta["recipe"], "optimizer": {**saved, "name": "sgd"}}}
+    (tmp_path / "meta.json").write_text(json.dumps(other))
+    with pytest.raises(CheckpointError, match="optimizer is 'sgd' and the recipe's 'adamw'"):
         read_torch_checkpoint(tmp_path, recipe, args, {})
 
 

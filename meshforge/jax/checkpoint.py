@@ -9,7 +9,9 @@ of the JAX state (the model and AdamW the torch trainer would hold), so its keys
 groups and meta.json are the torch trainer's own. torch's AdamW and optax's adamw are the same
 update (decoupled decay, bias corrections from the step count, eps outside the square root): its
 `exp_avg`/`exp_avg_sq` are optax's `mu`/`nu` and its `step` is optax's `count`. What the JAX run
-cannot take is refused naming what differs, never replaced by a fresh optimizer.
+cannot take is refused naming what differs, never replaced by a fresh optimizer; changed AdamW
+settings (lr, betas, eps, weight decay) are the recipe's from the resumed step on, and said, as in
+a torch resume.
 """
 
 from __future__ import annotations
@@ -29,11 +31,10 @@ from meshforge.core.errors import CheckpointError
 from meshforge.jax.bridge import state_to_pytree
 from meshforge.models import get_model_spec
 from meshforge.run.checkpoint.dcp import dcp_load, model_args_of, read_meta
+from meshforge.run.checkpoint.state import optimizer_changes
 from meshforge.run.train.optim import build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# the optimizer settings a torch checkpoint's moments belong to: another value is another update
-OPTIMIZER_FIELDS = ("name", "betas", "eps", "weight_decay")
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class TorchTrainingState:
     nu: dict[str, jax.Array]
     adam_step: int  # AdamW's step counter (every parameter's: one count in optax)
     meta: dict
+    optimizer_changes: list[str] = dataclasses.field(default_factory=list)  # the recipe's settings now
 
 
 def model_refusal(meta: dict, model_args) -> str | None:
@@ -58,20 +60,13 @@ def model_refusal(meta: dict, model_args) -> str | None:
 
 
 def state_refusals(meta: dict, recipe: Recipe) -> list[str]:
-    """Why a JAX run of `recipe` cannot continue the checkpoint's training state (none: it can)."""
+    """Why a JAX run of `recipe` cannot continue the checkpoint's training state (none: it can).
+    Another optimizer is refused by optimizer_changes; changed AdamW settings are the recipe's
+    from here on, as in a torch resume."""
     problems = []
-    saved = meta["recipe"].get("optimizer", {})
-    for field in OPTIMIZER_FIELDS:
-        mine, theirs = getattr(recipe.optimizer, field), saved.get(field)
-        if theirs != mine:
-            problems.append(
-                f"optimizer.{field} = {mine!r} where the checkpoint's moments were made with {theirs!r}: "
-                f"set optimizer.{field}={theirs!r} to continue it, or start from its weights "
-                "(checkpoint.init_from=<its folder>) with a fresh optimizer"
-            )
     if meta.get("loss_scale"):
         problems.append(
-            "the checkpoint is an fp16 run's (it holds a loss scale): backend=jax trains float32 without "
+            "the checkpoint is an fp16 run's (it holds a loss scale): backend=jax trains without "
             "loss scaling; start from its weights (checkpoint.init_from=<its folder>)"
         )
     if (at := meta.get("lr_scheduler", {}).get("last_epoch", meta["step"])) != meta["step"]:
@@ -88,6 +83,7 @@ def read_torch_checkpoint(
     meta = read_meta(path)
     problems = [p for p in [model_refusal(meta, model_args)] if p]
     problems += [] if weights_only else state_refusals(meta, recipe)
+    changes = [] if weights_only else optimizer_changes(meta["recipe"].get("optimizer", {}), recipe.optimizer)
     if problems:
         raise CheckpointError(
             f"cannot {'start from' if weights_only else 'resume'} {path} under backend=jax: "
@@ -110,7 +106,7 @@ def read_torch_checkpoint(
             "(optax keeps one count for all)"
         )
     mu, nu = ({k: optim[f"state.{k}.{m}"] for k in shapes} for m in MOMENTS)
-    return TorchTrainingState(params, state_to_pytree(mu), state_to_pytree(nu), steps.pop(), meta)
+    return TorchTrainingState(params, state_to_pytree(mu), state_to_pytree(nu), steps.pop(), meta, changes)
 
 
 def with_adam_moments(opt_state, mu: dict, nu: dict, count: int, shardings: dict):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import jax
@@ -51,6 +52,8 @@ from meshforge.run.train.optim import lr_multiplier
 from meshforge.run.train.step import IGNORE_INDEX
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.sharding import rank_slices
+
+log = logging.getLogger(__name__)
 
 
 def torch_param_specs(recipe: Recipe) -> dict[str, PartitionSpec]:
@@ -167,6 +170,11 @@ class JaxTrainer(TrainingRun):
                 self.resumed = {"path": None, "step": 0, "run_id": None}
                 return
             saved = read_torch_checkpoint(path, self.recipe, self.model_args, shapes)
+            if saved.optimizer_changes:
+                log.warning(
+                    "resumed with the recipe's optimizer settings (moments kept): %s",
+                    "; ".join(saved.optimizer_changes),
+                )
             self.opt_state = with_adam_moments(
                 self.opt_state, saved.mu, saved.nu, saved.adam_step, self.shardings
             )

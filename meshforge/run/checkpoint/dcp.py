@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -29,13 +30,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from meshforge.configs.schema import CheckpointConfig, ModelConfig
+from meshforge.configs.schema import CheckpointConfig, ModelConfig, OptimizerConfig
 from meshforge.core.errors import CheckpointError, CheckpointNotFound, Problem, RecipeError
 from meshforge.core.units import GiB
 from meshforge.interop.weights import hf_reader_for, load_into
 from meshforge.models import args_from_config, get_model_spec
-from meshforge.run.checkpoint.state import ModelState, OptimizerState
-from meshforge.run.train.loss_scale import LossScaler
+from meshforge.run.checkpoint.state import (
+    ModelState,
+    OptimizerState,
+    apply_optimizer_settings,
+    optimizer_changes,
+)
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -217,10 +224,11 @@ class Checkpointer:
         self._pg = dist.new_group(backend="gloo") if (cfg.async_save and dist.is_initialized()) else None
 
     def restore(
-        self, parts: list[nn.Module], model_args, loader, schedulers: list, scaler: LossScaler
+        self, parts: list[nn.Module], model_args, loader, schedulers: list, scaler, optimizer: OptimizerConfig
     ) -> dict | None:
         """Resume from `checkpoint.load` (model, optimizer, data position, LR schedule, fp16 loss
-        scale, on any mesh) and return {path, step, run_id}; else load seed weights (`init_from`, or
+        scale, on any mesh; `optimizer`'s settings over the saved ones, said when they differ) and
+        return {path, step, run_id}; else load seed weights (`init_from`, or
         `init_from_hf` with each rank reading only its shards) and return None, or, for `auto`
         with no checkpoint yet, {path: None, step: 0}: this run's records go on from step 0."""
         c = self.cfg
@@ -230,6 +238,12 @@ class Checkpointer:
             loader.restore_from(meta)
             for sched in schedulers:
                 sched.load_state_dict(meta["lr_scheduler"])
+            changes = optimizer_changes(meta["recipe"].get("optimizer", {}), optimizer)
+            apply_optimizer_settings(schedulers, optimizer)
+            if changes and self.is_main:
+                log.warning(
+                    "resumed with the recipe's optimizer settings (moments kept): %s", "; ".join(changes)
+                )
             if scaler.enabled and meta.get("loss_scale"):  # an fp32/bf16 checkpoint has none
                 scaler.load_state_dict(meta["loss_scale"])
             return {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}

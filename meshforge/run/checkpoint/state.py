@@ -19,6 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from meshforge.configs.schema import OptimizerConfig
+from meshforge.core.errors import CheckpointError
+
 # optimizer state keyed by parameter FQN (not by index), so it reshards like the model
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -79,3 +82,46 @@ class OptimizerState(Stateful):
         for part, opt, own in zip(self.parts, self.optimizers, self._own()):
             stored = tied_alias(part)
             set_optimizer_state_dict(part, opt, {k: state[stored(k)] for k in own}, options=OPTIM_OPTIONS)
+
+
+# AdamW's settings a checkpoint's param groups carry (torch's load_state_dict restores them): a
+# resumed run takes the recipe's instead, so the recipe it runs is the one it trains with
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def optimizer_changes(saved: dict, cfg: OptimizerConfig) -> list[str]:
+    """The recipe's optimizer settings that differ from the checkpoint's recipe (`saved`, its
+    [optimizer]), as 'optimizer.lr: 0.001 -> 0.01'; a CheckpointError for another optimizer, whose
+    state this one cannot take."""
+    if saved.get("name", cfg.name) != cfg.name:
+        raise CheckpointError(
+            f"the checkpoint's optimizer is {saved['name']!r} and the recipe's {cfg.name!r}: its state "
+            f"cannot continue in another optimizer; set optimizer.name={saved['name']!r}, or start from "
+            "its weights (checkpoint.init_from=<its folder>)"
+        )
+
+    def plain(v):  # betas: a list in the recipe, a list in meta.json's
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    return [
+        f"optimizer.{k}: {saved[k]!r} -> {plain(getattr(cfg, k))!r}"
+        for k in HYPERPARAMETERS
+        if k in saved and plain(saved[k]) != plain(getattr(cfg, k))
+    ]
+
+
+def apply_optimizer_settings(schedulers: list, cfg: OptimizerConfig) -> None:
+    """After a checkpoint's optimizer and LR schedule loaded: the recipe's lr, betas, eps and
+    weight decay in every param group, the lr where the schedule stands (bit-equal to the saved
+    one when nothing changed)."""
+    for sched in schedulers:
+        sched.base_lrs = [cfg.lr] * len(sched.base_lrs)
+        for group, multiplier in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+            group.update(
+                initial_lr=cfg.lr,
+                lr=cfg.lr * multiplier(sched.last_epoch),
+                betas=tuple(cfg.betas),
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+            )
+        sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]

@@ -121,7 +121,7 @@ class Trainer(TrainingRun):
             need_bytes=12 * self.n_params,
         )
         self.resumed = self.checkpointer.restore(
-            self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler
+            self.pmodel.parts, self.model_args, self.loader, self.schedulers, self.scaler, r.optimizer
         )
         self.start_step = self.resumed["step"] if self.resumed else 0
         if self.resumed and self.resumed["path"]:
