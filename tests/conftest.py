@@ -134,6 +134,16 @@ def run_recipe(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Com
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def slurm_env(tmp: Path, **extra: str) -> dict:
+    """The environment of a command that finds fake_slurm.py's sbatch/squeue/... first on PATH."""
+    import fake_slurm
+
+    fake_slurm.install(tmp / "bin")
+    env = cli_env(FAKE_SLURM_DIR=str(tmp / "slurm"), **extra)
+    env["PATH"] = f"{tmp / 'bin'}:{env['PATH']}"
+    return env
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

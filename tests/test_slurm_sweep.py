@@ -14,9 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-import fake_slurm
 import pytest
-from conftest import QUICK, REPO, cli_env, run_cli
+from conftest import QUICK, REPO, cli_env, run_cli, slurm_env
 
 from meshforge.configs import RecipeError
 from meshforge.configs.schema import SlurmConfig
@@ -35,13 +34,6 @@ SWEEP = [
     "sweep.slurm.account=proj",
     "sweep.slurm.time=00:05:00",
 ]
-
-
-def slurm_env(tmp: Path, **extra: str) -> dict:
-    fake_slurm.install(tmp / "bin")
-    env = cli_env(FAKE_SLURM_DIR=str(tmp / "slurm"), **extra)
-    env["PATH"] = f"{tmp / 'bin'}:{env['PATH']}"
-    return env
 
 
 def rows_of(sweep_dir: Path) -> list[dict]:

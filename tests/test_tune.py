@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import QUICK, RECIPES, run_cli
+from conftest import QUICK, RECIPES, run_cli, slurm_env
 
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, get_model_spec
@@ -269,7 +269,8 @@ def test_bad_tune_input_is_refused_naming_it(tmp_path):
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """`meshforge tune` end to end on 2 ranks: calibrate this machine, predict every layout, run
-    the best predicted and the recipe's own (dp2), W&B offline."""
+    the best predicted and the recipe's own (dp2) as Slurm jobs (fake_slurm.py runs them here),
+    W&B offline."""
     out = tmp_path_factory.mktemp("tune")
     args = [
         "tune",
@@ -289,8 +290,10 @@ def tuned(tmp_path_factory):
         f"output_dir={out}",
         "logging.wandb=true",
         "logging.wandb_mode=offline",
+        "sweep.launcher=slurm",
+        "sweep.slurm.poll_s=0.5",
     ]
-    proc = run_cli(args, cwd=out, program="meshforge", timeout=900)
+    proc = run_cli(args, cwd=out, program="meshforge", timeout=900, env=slurm_env(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -307,6 +310,9 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
     best = min(planned, key=lambda r: r["predicted"]["step_s"])
     confirmed = {label for label, r in rows.items() if "measured" in r}
     assert confirmed == {best["label"], "dp2"}  # the top 1 and the recipe's own
+    jobs = [json.loads(line) for line in (folder / "confirm.jsonl").read_text().splitlines()]
+    assert {r["label"] for r in jobs if r["status"] == "queued"} == confirmed  # each one a Slurm job
+    assert all((folder / "jobs" / f"{label}.sbatch").is_file() for label in confirmed)
     for label in confirmed:
         assert rows[label]["status"] == "finished" and rows[label]["measured"]["step_time"] > 0
         assert f"{label}" in stdout

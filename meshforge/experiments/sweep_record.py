@@ -50,6 +50,17 @@ def run_finished(run_dir: Path) -> bool:
     return path.is_file() and json.loads(path.read_text()).get("status") == "finished"
 
 
+# what `measure` reads of a finished point (a sweep's row holds them flat, a tune's under `measured`)
+MEASURED = (
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "step_time",
+    "peak_gib_max",
+    "peak_gib_min",
+    "final_loss",
+)
+
+
 def measure(run_dir: Path) -> dict:
     """A finished point's figures, read as `compare` reads them (its steady steps)."""
     (run,) = find_runs([run_dir])

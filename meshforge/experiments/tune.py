@@ -7,6 +7,7 @@ that do not fit are dropped, the rest ranked by predicted step time. Then the to
 recipe's own point, run for a few steps as sweep points do, and the table shows predicted next
 to measured. `tune.jsonl` keeps every row, `tune-best.toml` is the recipe with the winner's
 overrides, and W&B gets the table (offline without a key). `--plan` stops after the prediction.
+The confirmations run where the sweep's would (`sweep.launcher`): here, or as Slurm jobs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from meshforge.configs import Problem, RecipeError
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
+from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep import (
+    choose_launcher,
     log_wandb_table,
     mesh_for,
     plan_point,
@@ -32,7 +35,7 @@ from meshforge.experiments.sweep import (
     select_points,
     sweep_points,
 )
-from meshforge.experiments.sweep_record import measure
+from meshforge.experiments.sweep_record import MEASURED, measure
 from meshforge.models import args_from_config
 from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
@@ -77,6 +80,9 @@ def tune(
         f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
     )
     limit = sw.device_memory_gib or profile.device_memory_gib or None
+    launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
+    if launcher == "slurm":
+        check_commands()  # before the plan's minutes, not after
     with trace_pool() as pool:
         planned = [
             plan_point(i, pt, recipe_path, overrides, world, sw, group, tune_dir, pool, work=True)
@@ -94,7 +100,17 @@ def tune(
     tune_dir.mkdir(parents=True, exist_ok=True)
     record = tune_dir / "tune.jsonl"
     chosen = ranked[:top_k] + [r for r in ranked[top_k:] if r["label"] == own]
-    for r in chosen:
+    if launcher == "slurm":  # the sweep's jobs: one per point, max_concurrent at once, followed to the end
+        points = {row["label"]: (i, pt, recipe) for i, pt, row, recipe, _ in planned}
+        todo = []
+        for r in chosen:
+            i, pt, recipe = points[r["label"]]
+            todo.append((i, pt, r, recipe, point_command(recipe_path, r)))
+        run_on_slurm(todo, {}, world, sw, tune_dir, tune_dir / "confirm.jsonl", console, len(todo))
+        for r in chosen:
+            if r["status"] == "finished":
+                r["measured"] = {k: r.pop(k) for k in MEASURED}
+    for r in chosen if launcher != "slurm" else []:
         console.print(f"confirming {r['label']} ({sw.steps} steps) ...", highlight=False)
         status, error = run_point(point_command(recipe_path, r), sw.timeout_s, tune_dir / f"{r['label']}.log")
         r.update(status=status, error=error)
