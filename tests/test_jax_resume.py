@@ -227,3 +227,41 @@ def test_jax_runs_save_synchronously_and_start_from_meshforge_checkpoints_only(t
     ):
         proc = run_cli([*base, *extra], cwd=tmp_path)
         assert proc.returncode == 2 and field in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_corpus_run_continues_in_jax_on_the_same_windows(tmp_path):
+    """text_cpu (files + its tokenizer) on FSDP 2 x TP 2: JAX reads each dp rank's part of the
+    corpus as the torch ranks do (one global batch of their windows), so from the torch run's step
+    3 it takes the same steps 4-6 and evaluates the same held-out windows."""
+    common = [
+        str(RECIPES / "text_cpu.toml"),
+        *TORCH_FSDP_TP,
+        *[
+            "train.steps=6",
+            "eval.every=3",
+            "logging.log_every=1",
+            "logging.progress=false",
+            "logging.wandb=false",
+        ],
+        f"output_dir={tmp_path}",
+    ]
+    env = _env()
+    args = [
+        *common,
+        "run_name=torch",
+        "checkpoint.enabled=true",
+        "checkpoint.interval=3",
+        "checkpoint.keep_latest=0",
+    ]
+    proc = run_cli(args, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch3 = tmp_path / "torch" / "checkpoints" / "step-00000003"
+    assert "data_corpus" in json.loads((torch3 / "meta.json").read_text())  # every dp rank's position
+    proc = run_cli(
+        [*common, "run_name=jax", "backend=jax", f"checkpoint.load={torch3}"], cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch_rows, jax_rows = _by_step(tmp_path / "torch"), _by_step(tmp_path / "jax")
+    assert sorted(jax_rows) == [4, 5, 6] and _worst(torch_rows, jax_rows, range(4, 7)) <= TOL
+    assert abs(jax_rows[6]["eval/loss"] - torch_rows[6]["eval/loss"]) <= TOL

@@ -40,13 +40,13 @@ from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder, resolve_load
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
-from meshforge.run.data.loader import build_loader
+from meshforge.run.data.global_batch import global_batch_loader
 from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
 from meshforge.run.observe.flops import cpu_share, flops_per_token, measure_cpu_matmul_flops, usable_cores
 from meshforge.run.observe.memory import memory_metrics, rank_memory
 from meshforge.run.observe.record import RunState, Throughput
-from meshforge.run.train.evaluate import Evaluator
+from meshforge.run.train.evaluate import Evaluator, held_out_recipe
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.optim import lr_multiplier
 from meshforge.run.train.step import IGNORE_INDEX
@@ -108,11 +108,12 @@ class JaxTrainer(TrainingRun):
         )
         self.opt_state = self.tx.init(self.params)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(DP_DIMS))
-        # the whole global batch each step (the torch run's dp ranks and accumulation steps together)
-        self.loader = build_loader(r, args.vocab_size, micro=r.train.global_batch_size)
-        self.evaluator = Evaluator(
-            r, args.vocab_size, 0, 1, None, torch.device("cpu"), r.train.global_batch_size
+        # the whole global batch each step: every dp rank's data as the torch run's ranks read it
+        self.loader = global_batch_loader(r, args.vocab_size, self.dims.dp)
+        held_out = (
+            global_batch_loader(held_out_recipe(r), args.vocab_size, self.dims.dp) if r.eval.every else None
         )
+        self.evaluator = Evaluator(r, args.vocab_size, 0, 1, None, torch.device("cpu"), held_out)
         # bf16 as FSDP's MixedPrecisionPolicy does it: fp32 master weights, cast for the step's compute
         self.compute_dtype = jnp.bfloat16 if r.fsdp.param_dtype == "bfloat16" else None
         peak = None

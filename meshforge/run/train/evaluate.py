@@ -53,17 +53,17 @@ class Evaluator:
         dp_size: int,
         dp_group,
         device,
-        micro: int | None = None,
+        loader: StepLoader | None = None,
     ):
-        """`micro`: windows per micro-batch when not the recipe's (one JAX controller reads every
-        dp rank's part of a global batch at once)."""
+        """`loader`: the held-out set's, where not this dp rank's (one JAX controller reads every
+        rank's: data/global_batch.py)."""
         self.cfg, self.steps, self.device, self.tp = recipe.eval, recipe.train.steps, device, recipe.mesh.tp
         self.dp_group = dp_group
         self.loader: StepLoader | None = None
         self.last: dict = {}
         if not self.cfg.every:
             return
-        self.loader = build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group, micro)
+        self.loader = loader or build_loader(held_out_recipe(recipe), vocab_size, dp_rank, dp_size, dp_group)
         self.loader.hold_steps(self.cfg.batches)  # a corpus: the held-out part must hold every batch
         if recipe.data.source == "synthetic":  # its held-out samples: a range training never reaches
             self.loader.load_state_dict({"position": HELD_OUT_INDEX})
