@@ -192,6 +192,16 @@ def check_backend(r: Recipe) -> list[Problem]:
                 "set fsdp.param_dtype=bfloat16 or backend=torch",
             )
         )
+    if r.fsdp.param_dtype == "bfloat16" and r.mesh.dp_replicate * r.mesh.dp_shard == 1:
+        problems.append(
+            Problem(
+                "fsdp.param_dtype",
+                r.fsdp.param_dtype,
+                f"{why} in bfloat16 as FSDP's MixedPrecisionPolicy does; without data parallelism the "
+                "torch run autocasts instead (norms and embeddings in fp32), which JAX does not mirror: "
+                "add a dp_shard or dp_replicate degree, or use float32",
+            )
+        )
     if r.fsdp.reduce_dtype != "float32":
         problems.append(
             Problem(

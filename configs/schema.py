@@ -345,7 +345,7 @@ class Recipe:
     output_dir: str = F("outputs", "where run folders are written")
     run_name: Optional[str] = F(None, "run folder name; None = <recipe>-<timestamp>")
     seed: int = F(0, "model-init seed; the same seed gives the same weights on every mesh")
-    backend: str = F("torch", "torch | jax (the same recipe in JAX: data and tensor parallel, fp32)")
+    backend: str = F("torch", "torch | jax (the same recipe in JAX: data and tensor parallel, fp32 or bf16)")
     extends: Optional[str] = F(None, "base recipe this one is merged over (path relative to this file)")
 
 

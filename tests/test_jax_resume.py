@@ -33,12 +33,14 @@ from meshforge.run.checkpoint.state import optimizer_changes  # noqa: E402
 COMMON = [
     str(RECIPES / "debug_cpu.toml"),
     "optimizer.lr=3e-2",
+    "optimizer.weight_decay=0.1",  # decoupled decay in both (debug_cpu has none)
     "lr_scheduler.warmup_steps=100",
     "logging.progress=false",
     "logging.wandb=false",
 ]
 TORCH_FSDP_TP = ["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2"]
 TOL = 1e-5
+REFERENCE_STEPS = 24  # the JAX run stopped by SIGTERM (at about step 4) must stop 3 steps before this
 
 
 def _run(out: Path, name: str, *extra: str) -> None:
@@ -62,6 +64,7 @@ def _sigterm_after(out: Path, name: str, lines: int, *extra: str) -> subprocess.
     metrics, deadline = out / name / "metrics.jsonl", time.monotonic() + 180
     while (not metrics.exists() or metrics.read_text().count("\n") < lines) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert metrics.exists() and metrics.read_text().count("\n") >= lines, f"{name} never logged {lines} steps"
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -85,7 +88,7 @@ def runs(tmp_path_factory):
         out,
         "torch",
         *TORCH_FSDP_TP,
-        "train.steps=16",
+        f"train.steps={REFERENCE_STEPS}",
         "checkpoint.enabled=true",
         "checkpoint.interval=5",
         "checkpoint.keep_latest=0",
@@ -115,7 +118,7 @@ def runs(tmp_path_factory):
         "checkpoint.save_at_end=false",
     )
     k = json.loads(next((out / "jax" / "checkpoints").glob("step-*/meta.json")).read_text())["step"]
-    assert k + 3 <= 16, f"the JAX run stopped at step {k}, past the torch reference"
+    assert k + 3 <= REFERENCE_STEPS, f"the JAX run stopped at step {k}, past the torch reference"
     resumed = ["checkpoint.load=auto", f"train.steps={k + 3}"]
     _run(out, "jax", "backend=jax", *TORCH_FSDP_TP, *resumed)
     jax_k = out / "jax" / "checkpoints" / f"step-{k:08d}"
@@ -219,11 +222,37 @@ def test_what_a_jax_run_cannot_continue_is_refused_and_changed_settings_are_said
         read_torch_checkpoint(tmp_path, recipe, args, {})
 
 
+def test_the_mirror_holds_what_torch_s_adamw_and_schedule_hold_after_the_same_steps():
+    """A JAX run's checkpoint is written from a torch mirror: its param groups' lr and initial_lr
+    and its LR schedule's state are those a torch run has after the same number of steps."""
+    import torch
+
+    from meshforge.jax.checkpoint import scheduler_state, torch_mirror
+    from meshforge.run.train.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+
+    recipe = load_recipe(str(RECIPES / "debug_cpu.toml"), ["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=1"])
+    steps, args = 7, args_from_config(recipe.model)
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model.parameters(), recipe.optimizer)
+    sched = build_lr_scheduler(opt, recipe.train.steps, recipe.lr_scheduler)
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    lr = recipe.optimizer.lr * lr_multiplier(steps, recipe.train.steps, recipe.lr_scheduler)
+    assert scheduler_state(recipe, steps, lr) == {**sched.state_dict(), "lr_lambdas": [None]}
+    _, mirror = torch_mirror(recipe, args, {}, {}, {}, steps, lr)
+    for key in ("lr", "initial_lr", "betas", "eps", "weight_decay", "fused", "foreach"):
+        assert mirror.param_groups[0][key] == opt.param_groups[0][key], key
+
+
 def test_jax_runs_save_synchronously_and_start_from_meshforge_checkpoints_only(tmp_path):
     base = [str(RECIPES / "debug_cpu.toml"), "backend=jax", "mesh.pp=1", "--dry-run"]
     for extra, field in (
         (["checkpoint.enabled=true", "checkpoint.async_save=true"], "checkpoint.async_save"),
         ([f"checkpoint.init_from_hf={tmp_path}"], "checkpoint.init_from_hf"),
+        (["fsdp.param_dtype=float16"], "loss scaling, which is torch-only"),
+        (["fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16"], "fsdp.reduce_dtype"),
+        (["fsdp.param_dtype=bfloat16", "mesh.dp_shard=1", "mesh.tp=2"], "autocasts instead"),
     ):
         proc = run_cli([*base, *extra], cwd=tmp_path)
         assert proc.returncode == 2 and field in proc.stderr, proc.stderr

@@ -101,10 +101,10 @@ def tune(
     record = tune_dir / "tune.jsonl"
     chosen = ranked[:top_k] + [r for r in ranked[top_k:] if r["label"] == own]
     if launcher == "slurm":  # the sweep's jobs: one per point, max_concurrent at once, followed to the end
-        points = {row["label"]: (i, pt, recipe) for i, pt, row, recipe, _ in planned}
+        points = {row["label"]: (pt, recipe) for _, pt, row, recipe, _ in planned}
         todo = []
-        for r in chosen:
-            i, pt, recipe = points[r["label"]]
+        for i, r in enumerate(chosen, 1):  # numbered as confirmations: [1/4] ...
+            pt, recipe = points[r["label"]]
             todo.append((i, pt, r, recipe, point_command(recipe_path, r)))
         run_on_slurm(todo, {}, world, sw, tune_dir, tune_dir / "confirm.jsonl", console, len(todo))
         for r in chosen:

@@ -162,14 +162,14 @@ class JaxTrainer(TrainingRun):
 
     def _restore(self) -> None:
         """`checkpoint.load`: a torch run's checkpoint continued here, optimizer and data position
-        included (jax/resume.py); `checkpoint.init_from`: its weights only."""
+        included (jax/checkpoint.py); else `checkpoint.init_from`: its weights only (as the torch
+        trainer: also under `load=auto` before the run's first checkpoint)."""
         c = self.recipe.checkpoint
         shapes = {k: tuple(v.shape) for k, v in self.params.items()}
-        if c.load:
-            path = resolve_load(c.load, checkpoint_folder(c, self.run_dir))
-            if path is None:  # `auto` before any checkpoint: a fresh start that continues this run's records
-                self.resumed = {"path": None, "step": 0, "run_id": None}
-                return
+        path = resolve_load(c.load, checkpoint_folder(c, self.run_dir)) if c.load else None
+        if c.load == "auto" and path is None:  # a fresh start that continues this run's records
+            self.resumed = {"path": None, "step": 0, "run_id": None}
+        if path is not None:
             saved = read_torch_checkpoint(path, self.recipe, self.model_args, shapes)
             if saved.optimizer_changes:
                 log.warning(

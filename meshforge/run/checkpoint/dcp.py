@@ -39,6 +39,7 @@ from meshforge.run.checkpoint.state import (
     ModelState,
     OptimizerState,
     apply_optimizer_settings,
+    implementation_flags,
     optimizer_changes,
 )
 
@@ -234,12 +235,13 @@ class Checkpointer:
         c = self.cfg
         path = resolve_load(c.load, self.folder) if c.load else None
         if path is not None:
+            changes = optimizer_changes(read_meta(path)["recipe"].get("optimizer", {}), optimizer)
+            built = implementation_flags(schedulers)  # loading restores the saving run's: this mesh's hold
             meta = self.load(path)
             loader.restore_from(meta)
             for sched in schedulers:
                 sched.load_state_dict(meta["lr_scheduler"])
-            changes = optimizer_changes(meta["recipe"].get("optimizer", {}), optimizer)
-            apply_optimizer_settings(schedulers, optimizer)
+            apply_optimizer_settings(schedulers, optimizer, built)
             if changes and self.is_main:
                 log.warning(
                     "resumed with the recipe's optimizer settings (moments kept): %s", "; ".join(changes)

@@ -110,14 +110,27 @@ def optimizer_changes(saved: dict, cfg: OptimizerConfig) -> list[str]:
     ]
 
 
-def apply_optimizer_settings(schedulers: list, cfg: OptimizerConfig) -> None:
+# how AdamW runs (fused, foreach, ...): chosen for this mesh's parameters when it was built (fused
+# and foreach cannot mix DTensors and plain tensors); a loaded state carries the saving run's
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def implementation_flags(schedulers: list) -> list[list[dict]]:
+    """Each optimizer's param groups' implementation flags, as built (before a checkpoint loads)."""
+    return [
+        [{k: g[k] for k in IMPLEMENTATION if k in g} for g in s.optimizer.param_groups] for s in schedulers
+    ]
+
+
+def apply_optimizer_settings(schedulers: list, cfg: OptimizerConfig, built: list[list[dict]]) -> None:
     """After a checkpoint's optimizer and LR schedule loaded: the recipe's lr, betas, eps and
     weight decay in every param group, the lr where the schedule stands (bit-equal to the saved
-    one when nothing changed)."""
-    for sched in schedulers:
+    one when nothing changed), and the implementation this run built (`built`)."""
+    for sched, flags in zip(schedulers, built):
         sched.base_lrs = [cfg.lr] * len(sched.base_lrs)
-        for group, multiplier in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+        for group, multiplier, own in zip(sched.optimizer.param_groups, sched.lr_lambdas, flags):
             group.update(
+                **own,
                 initial_lr=cfg.lr,
                 lr=cfg.lr * multiplier(sched.last_epoch),
                 betas=tuple(cfg.betas),
