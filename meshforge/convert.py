@@ -1,5 +1,5 @@
 """Weights across formats: seed checkpoints (`meshforge init` / `import`) and exports
-(`meshforge export --to safetensors|hf|torchtitan|jax`). The family's `interop` module
+(`meshforge export --to safetensors|hf|torchtitan|jax|maxtext`). The family's `interop` module
 knows its names and row layouts; JAX formats need the `jax` extra."""
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
 
 
 def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
-    """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax
-    (checking shapes, and for HF the config, against the model)."""
+    """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax |
+    maxtext (checking shapes, and for HF the config, against the model)."""
     args = model.args
     if fmt == "hf":
         load_into(model, hf_reader_for(source, args))
@@ -63,6 +63,11 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
         load_torchtitan_dcp(model, source)
     elif fmt in ("torchtitan", "safetensors"):
         load_into(model, WeightReader(source, args, "torchtitan" if fmt == "torchtitan" else "ours"))
+    elif fmt == "maxtext":
+        from meshforge.jax.maxtext import from_maxtext, load_maxtext  # the jax extra
+
+        state = from_maxtext(load_maxtext(source), spec_of(args).name, args)
+        load_into(model, ArrayReader(state, f"the MaxText checkpoint at {source}"))
     else:
         from meshforge.jax.bridge import load_pytree  # the jax extra
 
@@ -80,8 +85,9 @@ def export_checkpoint(
     """A checkpoint's model, unsharded, as `to`: safetensors (our names + config.json),
     hf (an HF folder for the family's ForCausalLM, read one tensor at a time and written as
     shards of at most `max_shard_bytes` with the HF index, the run's tokenizer beside it),
-    torchtitan (its 0.3.0 names) or jax (an Orbax checkpoint of the flat pytree the
-    family's JAX twin takes)."""
+    torchtitan (its 0.3.0 names), jax (an Orbax checkpoint of the flat pytree the
+    family's JAX twin takes) or maxtext (the parameter checkpoint MaxText's decoder loads:
+    jax/maxtext.py)."""
     out.mkdir(parents=True, exist_ok=True)
     if to == "hf":
         return export_hf(checkpoint, out, max_shard_bytes)
@@ -91,6 +97,12 @@ def export_checkpoint(
     del model  # `tensors` holds the only references: a consuming conversion frees as it goes
     if args.tie_embeddings:
         tensors.pop("output.weight")  # shared with tok_embeddings.weight; stored once
+    if to == "maxtext":
+        from meshforge.jax.maxtext import maxtext_config, save_maxtext, to_maxtext  # the jax extra
+
+        family = meta["recipe"]["model"]["name"]
+        arrays = {k: v.float().numpy() for k, v in tensors.items()}
+        return save_maxtext(to_maxtext(arrays, family, args), out, maxtext_config(family, args))
     if to == "jax":
         from meshforge.jax.bridge import save_pytree, state_to_pytree  # the jax extra
 

@@ -100,8 +100,12 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         "weights from an HF/TorchTitan/safetensors/JAX checkpoint -> a seed checkpoint of the "
         "recipe's model (then checkpoint.init_from=OUT)",
     )
-    imp.add_argument("source", help="an HF folder, a safetensors folder, or an Orbax pytree folder")
-    imp.add_argument("--from", dest="fmt", choices=["hf", "torchtitan", "safetensors", "jax"], required=True)
+    imp.add_argument(
+        "source", help="an HF folder, a safetensors folder, an Orbax pytree folder, or a MaxText checkpoint"
+    )
+    imp.add_argument(
+        "--from", dest="fmt", choices=["hf", "torchtitan", "safetensors", "jax", "maxtext"], required=True
+    )
     imp.add_argument(
         "items", nargs="*", metavar="RECIPE|key=value", help="the recipe whose model receives them"
     )
@@ -198,9 +202,10 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     exp.add_argument("checkpoint", help="a step-NNNNNNNN checkpoint folder, or a checkpoints folder (newest)")
     exp.add_argument(
         "--to",
-        choices=["safetensors", "hf", "torchtitan", "jax"],
+        choices=["safetensors", "hf", "torchtitan", "jax", "maxtext"],
         default="safetensors",
-        help="safetensors (our names), hf (HF Llama folder), torchtitan (0.3.0 names), jax (Orbax pytree)",
+        help="safetensors (our names), hf (HF Llama folder), torchtitan (0.3.0 names), jax (Orbax pytree), "
+        "maxtext (MaxText's scanned parameter checkpoint: load_parameters_path=OUT/0/items)",
     )
     exp.add_argument(
         "--max-shard-size", default=None, help="--to hf: largest safetensors shard, e.g. 5GB (HF's default)"
