@@ -222,10 +222,12 @@ def run_on_slurm(
     record: Path,
     console: Console,
     n: int,
+    collect: str = "rerun the same command to collect them",
 ) -> None:
     """Submit `todo` ((i, point, row, recipe, command) each) as jobs, at most `max_concurrent` in the
     queue at once, and follow them and the `active` ones (job id -> (i, row)) to the end.
-    Each state change is a row in sweep.jsonl; Ctrl-C leaves the jobs to the scheduler."""
+    Each state change is a row in `record`; Ctrl-C leaves the jobs to the scheduler (`collect`: how
+    their results are read later)."""
     cfg = sw.slurm
     time_limit = cfg.time or slurm_time(sw.timeout_s)
     (sweep_dir / "jobs").mkdir(exist_ok=True)
@@ -264,8 +266,7 @@ def run_on_slurm(
     except KeyboardInterrupt:
         ids = ",".join(active)
         raise Interrupted(
-            f"sweep stopped; {len(active)} job(s) left to the scheduler ({ids}): rerun the same "
-            f"command to collect them"
+            f"stopped; {len(active)} job(s) left to the scheduler ({ids}): {collect}"
             + (f", or `scancel {ids.replace(',', ' ')}` to stop them" if ids else "")
         ) from None
 

@@ -106,7 +106,10 @@ def tune(
         for i, r in enumerate(chosen, 1):  # numbered as confirmations: [1/4] ...
             pt, recipe = points[r["label"]]
             todo.append((i, pt, r, recipe, point_command(recipe_path, r)))
-        run_on_slurm(todo, {}, world, sw, tune_dir, tune_dir / "confirm.jsonl", console, len(todo))
+        collect = (
+            f"their runs land in {tune_dir}/<point>; `meshforge compare {tune_dir}` reads them when done"
+        )
+        run_on_slurm(todo, {}, world, sw, tune_dir, tune_dir / "confirm.jsonl", console, len(todo), collect)
         for r in chosen:
             if r["status"] == "finished":
                 r["measured"] = {k: r.pop(k) for k in MEASURED}
