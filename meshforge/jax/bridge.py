@@ -69,10 +69,11 @@ def state_to_pytree(
     return out
 
 
-def _nest(flat: dict) -> dict:
+def nest(flat: dict, sep: str = ".") -> dict:
+    """A flat {'a.b.c': v} mapping as nested dicts (Orbax's trees), split at `sep`."""
     nested: dict = {}
     for name, v in flat.items():
-        *path, leaf = name.split(".")
+        *path, leaf = name.split(sep)
         d = nested
         for k in path:
             d = d.setdefault(k, {})
@@ -93,7 +94,7 @@ def save_pytree(params: dict[str, jax.Array], path) -> None:
     import orbax.checkpoint as ocp  # slow to import: only when a pytree is saved
 
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(Path(path).absolute(), _nest(params))
+        ckptr.save(Path(path).absolute(), nest(params))
 
 
 def load_pytree(path) -> dict[str, jax.Array]:

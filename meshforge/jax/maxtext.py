@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshforge.core.errors import IncompatibleWeights
+from meshforge.jax.bridge import nest
 
 SCAN_AXIS = 1  # MaxText's param_scan_axis
 LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)  # what MaxText's llama3.1 rotary applies, whatever the config says
@@ -186,15 +187,8 @@ def save_maxtext(tree: dict[str, np.ndarray], out: Path, config: dict) -> Path:
     """`out/0/items` as MaxText's converters write it ({'params': {'params': tree}} at step 0,
     `scan_layers` in the step's metadata), and `out/maxtext_config.json`; the items path, which
     MaxText's `load_parameters_path` takes."""
-    nested: dict = {}
-    for name, array in tree.items():
-        *path, leaf = name.split("/")
-        node = nested
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = array
     with ocp.CheckpointManager(out.absolute(), item_names=("items",)) as manager:
-        item = ocp.args.PyTreeSave({"params": {"params": nested}})
+        item = ocp.args.PyTreeSave({"params": {"params": nest(tree, "/")}})
         manager.save(0, args=ocp.args.Composite(items=item), custom_metadata={"scan_layers": True})
         manager.wait_until_finished()
     (out / "maxtext_config.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from pathlib import Path
 
 import jax
@@ -39,7 +38,7 @@ from meshforge.jax.checkpoint import (
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder, resolve_load
-from meshforge.run.checkpoint.state import ModelState, OptimizerState
+from meshforge.run.checkpoint.state import ModelState, OptimizerState, say_optimizer_changes
 from meshforge.run.data.global_batch import global_batch_loader
 from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
@@ -52,8 +51,6 @@ from meshforge.run.train.optim import lr_multiplier
 from meshforge.run.train.step import IGNORE_INDEX
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.sharding import rank_slices
-
-log = logging.getLogger(__name__)
 
 
 def torch_param_specs(recipe: Recipe) -> dict[str, PartitionSpec]:
@@ -171,11 +168,7 @@ class JaxTrainer(TrainingRun):
             self.resumed = {"path": None, "step": 0, "run_id": None}
         if path is not None:
             saved = read_torch_checkpoint(path, self.recipe, self.model_args, shapes)
-            if saved.optimizer_changes:
-                log.warning(
-                    "resumed with the recipe's optimizer settings (moments kept): %s",
-                    "; ".join(saved.optimizer_changes),
-                )
+            say_optimizer_changes(saved.optimizer_changes)
             self.opt_state = with_adam_moments(
                 self.opt_state, saved.mu, saved.nu, saved.adam_step, self.shardings
             )
@@ -192,9 +185,8 @@ class JaxTrainer(TrainingRun):
     def _checkpoint_meta(self, step: int) -> dict:
         """The torch trainer's meta.json for `step`; makes the torch mirror the save then writes."""
         r = self.recipe
-        lr = r.optimizer.lr * lr_multiplier(
-            step, r.train.steps, r.lr_scheduler
-        )  # the next step's, as torch leaves it
+        # the next step's lr: what torch's scheduler leaves in the optimizer after `step` steps
+        lr = r.optimizer.lr * lr_multiplier(step, r.train.steps, r.lr_scheduler)
         adam = self.opt_state.inner_state[0]
         params, mu, nu = jax.device_get((self.params, adam.mu, adam.nu))
         self._mirror = torch_mirror(r, self.model_args, params, mu, nu, int(adam.count), lr)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import pickle
 import re
@@ -41,9 +40,8 @@ from meshforge.run.checkpoint.state import (
     apply_optimizer_settings,
     implementation_flags,
     optimizer_changes,
+    say_optimizer_changes,
 )
-
-log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -235,17 +233,16 @@ class Checkpointer:
         c = self.cfg
         path = resolve_load(c.load, self.folder) if c.load else None
         if path is not None:
-            changes = optimizer_changes(read_meta(path)["recipe"].get("optimizer", {}), optimizer)
+            meta = read_meta(path)
+            changes = optimizer_changes(meta["recipe"].get("optimizer", {}), optimizer)  # before loading
             built = implementation_flags(schedulers)  # loading restores the saving run's: this mesh's hold
-            meta = self.load(path)
+            dcp_load(self.state, path)
             loader.restore_from(meta)
             for sched in schedulers:
                 sched.load_state_dict(meta["lr_scheduler"])
             apply_optimizer_settings(schedulers, optimizer, built)
-            if changes and self.is_main:
-                log.warning(
-                    "resumed with the recipe's optimizer settings (moments kept): %s", "; ".join(changes)
-                )
+            if self.is_main:
+                say_optimizer_changes(changes)
             if scaler.enabled and meta.get("loss_scale"):  # an fp32/bf16 checkpoint has none
                 scaler.load_state_dict(meta["loss_scale"])
             return {"path": str(path), "step": meta["step"], "run_id": meta.get("run_id")}

@@ -4,6 +4,7 @@ once, under the embedding's name, whichever parts hold it."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from meshforge.configs.schema import OptimizerConfig
 from meshforge.core.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 # optimizer state keyed by parameter FQN (not by index), so it reshards like the model
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -120,6 +123,12 @@ def implementation_flags(schedulers: list) -> list[list[dict]]:
     return [
         [{k: g[k] for k in IMPLEMENTATION if k in g} for g in s.optimizer.param_groups] for s in schedulers
     ]
+
+
+def say_optimizer_changes(changes: list[str]) -> None:
+    """The warning a resumed run gives for the recipe's optimizer settings that differ (none: silent)."""
+    if changes:
+        log.warning("resumed with the recipe's optimizer settings (moments kept): %s", "; ".join(changes))
 
 
 def apply_optimizer_settings(schedulers: list, cfg: OptimizerConfig, built: list[list[dict]]) -> None:
