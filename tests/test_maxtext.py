@@ -107,3 +107,8 @@ def test_export_and_import_through_the_cli(tmp_path):
     (seed,), (back,) = ((tmp_path / d).glob("step-*") for d in ("seed", "back"))
     a, b = load_full_model(seed)[0].state_dict(), load_full_model(back)[0].state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_folder_that_is_no_maxtext_checkpoint_is_refused(tmp_path):
+    with pytest.raises(IncompatibleWeights, match="no MaxText checkpoint there"):
+        load_maxtext(tmp_path)

@@ -199,10 +199,14 @@ def load_maxtext(path: Path) -> dict[str, np.ndarray]:
     """A MaxText parameter checkpoint (its `.../N/items` folder, or the folder holding step 0) as
     a flat tree of numpy arrays, however it was sharded when saved."""
     items = path if path.name == "items" else path / "0" / "items"
+    if not items.is_dir():
+        raise IncompatibleWeights(
+            f"{path}: no MaxText checkpoint there (want its 0/items folder, or that folder)"
+        )
     checkpointer = ocp.PyTreeCheckpointer()
     meta = checkpointer.metadata(items)
     tree = getattr(getattr(meta, "item_metadata", meta), "tree", getattr(meta, "item_metadata", meta))
-    if "params" not in tree or "params" not in tree["params"]:
+    if not isinstance(tree, dict) or "params" not in tree or "params" not in tree["params"]:
         raise IncompatibleWeights(f"{items}: no params/params tree (not a MaxText parameter checkpoint)")
     want = {"params": {"params": tree["params"]["params"]}}
     restore = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), want)
