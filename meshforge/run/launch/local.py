@@ -181,7 +181,7 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
     try:
         with (
             stop,
-            RunWatcher(log_dir.parent, console, stop.started),
+            RunWatcher(log_dir.parent, console, stop.started, config.run_id),
             _quiet_rank_failures(),
             _torch_launcher_leaves_nothing(),
         ):

@@ -1,13 +1,16 @@
 """The terminal of a locally launched run: the launching process renders it from the run's
 records (run.json, metrics.jsonl) while every rank writes its output to its own log file.
 
-So there is one live progress display with an ETA, the banner and summary once, and each
-distinct warning once (the ranks' logs keep everything, under `<run>/logs/`).
+So there is one live progress display with an ETA, the banner and summary once, meshforge's own
+warnings from the ranks as they come (each distinct one once, at the ranks' log level, progress
+display or not), and under the summary every other distinct warning once (torch's, Python's); the
+ranks' logs keep everything, under `<run>/logs/`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from pathlib import Path
@@ -17,17 +20,25 @@ from meshforge.run.observe.console import Banner, RunConsole
 LAUNCHED_ENV = "MESHFORGE_CONSOLE"  # set to "launcher" for the ranks: the launcher owns the terminal
 # what a log line's own prefix adds (torch's "[rank3]:W1130 21:50:26.478000 14124 ", a path:line)
 _PREFIX = re.compile(r"^(\[rank\d+\]:)?[WIEF]\d{4} [\d:.]+ \d+ ")
+# a line meshforge's own logging wrote in a rank (core/logs.py's format)
+_OWN = re.compile(r"^(?:\[rank\d+\]:)?WARNING meshforge: (.*)$")
+log = logging.getLogger("meshforge.run")
 
 
 class RunWatcher:
-    """Follows `<run_dir>`'s records from a thread; `close()` prints the summary."""
+    """Follows `<run_dir>`'s records, and the logs of launch `launch_id` (torch's rendezvous run
+    id: an earlier launch's logs in a resumed run's folder are not this one's), from a thread;
+    leaving prints the summary."""
 
-    def __init__(self, run_dir: Path, console: RunConsole, started: float):
+    def __init__(self, run_dir: Path, console: RunConsole, started: float, launch_id: str):
         self.run_dir, self.console, self.started = run_dir, console, started
+        self._logs = f"logs/{launch_id}_*/**/stderr.log"  # DefaultLogsSpecs' folder per launch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._offset = 0
         self._shown = False
+        self._log_offsets: dict[Path, int] = {}
+        self._said: set[str] = set()  # meshforge's warnings already shown
 
     def __enter__(self) -> RunWatcher:
         self._thread.start()
@@ -62,6 +73,7 @@ class RunWatcher:
             self._poll()
 
     def _poll(self) -> None:
+        self._forward_own_warnings()
         if not self._shown:
             info = self._info()
             if info is None:
@@ -80,12 +92,29 @@ class RunWatcher:
             row = json.loads(line)
             self.console.update(row["step"], row)
 
+    def _forward_own_warnings(self) -> None:
+        """meshforge's warnings the ranks logged since the last poll, each distinct one once,
+        through this process's logging: they say something changed the run (a setting taken from
+        the recipe on resume, a skipped step), so they show when they happen, progress display or
+        not. (A rank's error ends the launch, which names it.)"""
+        for path in sorted(self.run_dir.glob(self._logs)):
+            with open(path, "rb") as f:
+                f.seek(self._log_offsets.get(path, 0))
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            self._log_offsets[path] = self._log_offsets.get(path, 0) + len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                if (own := _OWN.match(line.strip())) and own.group(1) not in self._said:
+                    self._said.add(own.group(1))
+                    log.warning(own.group(1))
+
     def print_warnings(self) -> None:
-        """Each distinct warning the ranks logged, once, with where the full logs are."""
+        """Each distinct warning the ranks logged that is not meshforge's own (shown as it came),
+        once, with where the full logs are."""
         seen: dict[str, None] = {}
-        for log in sorted(self.run_dir.glob("logs/**/stderr.log")):
-            for line in log.read_text(errors="replace").splitlines():
-                if "warn" in line.lower():
+        for path in sorted(self.run_dir.glob(self._logs)):
+            for line in path.read_text(errors="replace").splitlines():
+                if "warn" in line.lower() and not _OWN.match(line.strip()):
                     seen.setdefault(_PREFIX.sub("", line).strip(), None)
         if seen and self.console.enabled:
             self.console.console.print(
