@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe
+from conftest import QUICK, RECIPES, TRACKED, read_metrics, run_cli, run_recipe
 
 from meshforge.core.units import GiB
 
@@ -23,6 +23,7 @@ def three_d(tmp_path_factory):
         [
             str(RECIPES / "debug_cpu.toml"),
             *QUICK,
+            TRACKED,
             *THREE_D,
             f"output_dir={out}",
             "run_name=m",
@@ -90,7 +91,7 @@ def test_a_tp_rank_is_estimated_within_5_percent_without_global_shapes(tmp_path)
     from meshforge.recipe import load_recipe
     from meshforge.simulate.estimate import trace_pool, traced_estimate
 
-    overrides = [*QUICK, *TP_WIDE_VOCAB]
+    overrides = [*QUICK, TRACKED, *TP_WIDE_VOCAB]
     proc = run_recipe(
         [str(RECIPES / "debug_cpu.toml"), *overrides, f"output_dir={tmp_path}", "run_name=tp"], cwd=tmp_path
     )
@@ -120,7 +121,7 @@ def test_a_cp_rank_is_estimated_within_5_percent_and_holds_fewer_activations(tmp
     from meshforge.recipe import load_recipe
     from meshforge.simulate.estimate import trace_pool, traced_estimate
 
-    overrides = [*QUICK, *CP2, "train.steps=3"]
+    overrides = [*QUICK, TRACKED, *CP2, "train.steps=3"]
     proc = run_recipe(
         [str(RECIPES / "debug_cpu.toml"), *overrides, f"output_dir={tmp_path}", "run_name=cp2"], cwd=tmp_path
     )
@@ -153,7 +154,7 @@ def test_per_op_ac_keeps_less_than_none_and_more_than_full_and_is_estimated(tmp_
         "train.seq_len=512",
         "train.global_batch_size=4",
     ]
-    op = [*base, "activation_checkpoint.mode=op", "train.steps=3"]
+    op = [*base, TRACKED, "activation_checkpoint.mode=op", "train.steps=3"]
     proc = run_recipe(
         [str(RECIPES / "debug_cpu.toml"), *op, f"output_dir={tmp_path}", "run_name=op"], cwd=tmp_path
     )

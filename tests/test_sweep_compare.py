@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from conftest import QUICK, RECIPES, cli_env, run_cli
+from conftest import QUICK, RECIPES, TRACKED, cli_env, run_cli
 
 from meshforge.core.errors import UsageError
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
@@ -88,6 +88,7 @@ def sweep(tmp_path_factory):
         "--world",
         "4",
         *QUICK,
+        TRACKED,  # each point's step-2 peak by category, against the estimate
         "sweep.steps=3",
         f"sweep.only=[{','.join(LAYOUTS)}]",
         f"output_dir={out}",
