@@ -42,6 +42,19 @@ UNREAD_BY_SOURCE = {
 }
 
 
+# the policy sections a mesh dimension of degree 1 leaves unread, every field of them (each field's
+# doc says so; tests/test_sweep_compare.py holds them to it): a sweep does not cross them with such
+# a mesh, which would run the same point again under another name
+UNREAD_AT_DEGREE_1 = {"pp": "pp.", "tp": "tp.", "cp": "cp."}
+
+
+def unread_on_mesh(key: str, mesh: dict[str, int]) -> bool:
+    """Whether the recipe field `key` ("pp.schedule") is a policy of a dimension `mesh` gives degree 1."""
+    return any(
+        key.startswith(section) and mesh.get(dim, 1) == 1 for dim, section in UNREAD_AT_DEGREE_1.items()
+    )
+
+
 def unread_problems(section: str, cfg, names, why: str, fix: str) -> list[Problem]:
     """A Problem for each of `names` in `cfg` set to other than its schema default."""
     defaults = type(cfg)()

@@ -267,6 +267,10 @@ def test_auto_launcher_goes_to_slurm_only_when_the_world_needs_more_gpus(monkeyp
     assert choose_launcher("auto", 16, "cpu") == "local"  # gloo ranks always run here
     assert choose_launcher("local", 16, "cuda") == "local" and choose_launcher("slurm", 2, "cpu") == "slurm"
     points = sweep_points(4, {"pp.schedule": ["1F1B", "GPipe"]})
-    assert [p.label for p in select_points(points, ["dp4"], 4)] == ["dp4-schedule=1F1B", "dp4-schedule=GPipe"]
+    assert [p.label for p in select_points(points, ["dp2-pp2", "dp4"], 4)] == [
+        "dp2-pp2-schedule=1F1B",
+        "dp2-pp2-schedule=GPipe",
+        "dp4",  # no pipeline: one point
+    ]
     with pytest.raises(RecipeError, match=r"sweep.only = \['dp3'\]: not layouts of 4 ranks; valid: pp4, "):
         select_points(points, ["dp3"], 4)

@@ -56,9 +56,33 @@ def test_every_mesh_of_a_world_is_enumerated():
     assert ParallelDims.from_degrees(before_cp) == ParallelDims(dp_shard=4, tp=2)
     with pytest.raises(KeyError):  # but a record without a dim it always had is not guessed
         ParallelDims.from_degrees({"pp": 1, "dp_replicate": 1, "tp": 2})
-    points = sweep_points(4, {"pp.schedule": ["1F1B", "GPipe"]})
-    assert len(points) == 2 * len(mesh_shapes(4)) == 30
-    assert "dp2-tp2-schedule=GPipe" in {p.label for p in points}
+    # a policy is crossed with the meshes that read it: pp.schedule with the pipelines only (on pp=1
+    # each value would be the same run again under another name), activation checkpointing with all
+    axes = {"pp.schedule": ["1F1B", "GPipe"], "activation_checkpoint.mode": ["none", "full"]}
+    points = sweep_points(4, axes)
+    pipelines = sum(m["pp"] > 1 for m in mesh_shapes(4))
+    assert pipelines == 5 and len(points) == 2 * 15 + 2 * pipelines == 40
+    labels = {p.label for p in points}
+    assert {"dp2-pp2-schedule=GPipe-mode=full", "dp2-tp2-mode=none"} <= labels and len(labels) == len(points)
+    assert not any("schedule" in p.label for p in points if p.mesh["pp"] == 1)
+    assert (
+        sweep_points(4, {"tp.sequence_parallel": ["true", "false"], "cp.method": ["allgather", "alltoall"]})[
+            0
+        ].policy
+        == {}
+    )  # dp_replicate 4: neither is read
+
+
+def test_the_policies_a_sweep_leaves_out_on_degree_1_are_unread_there():
+    """What the sweep relies on to leave a policy out on a mesh: every field of that section says,
+    in the doc `meshforge explain` shows, that its dimension at degree 1 does not read it."""
+    from meshforge.configs import Recipe
+    from meshforge.configs.inert import UNREAD_AT_DEGREE_1
+
+    for dim, section in UNREAD_AT_DEGREE_1.items():
+        cfg = getattr(Recipe(), section.rstrip("."))
+        for f in dataclasses.fields(cfg):
+            assert f"unread with mesh.{dim} = 1" in f.metadata["doc"], (section, f.name)
 
 
 def test_compare_errors_say_what_to_pass_and_exit_2(tmp_path):

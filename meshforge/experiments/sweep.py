@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Problem, Recipe, RecipeError
+from meshforge.configs.inert import unread_on_mesh
 from meshforge.core.logs import log_level_name
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
@@ -67,9 +68,11 @@ class Point:
 
 
 def sweep_points(world: int, axes: dict[str, list[str]], experts: int = 0) -> list[Point]:
-    names = list(axes)
+    """Every mesh of `world` ranks crossed with the axes' values, but for the policies a mesh leaves
+    unread (pp.* where pp = 1: each value would run the same point again)."""
     points = []
     for mesh in mesh_shapes(world, experts):
+        names = [n for n in axes if not unread_on_mesh(n, mesh)]
         for values in itertools.product(*(axes[n] for n in names)):
             policy = dict(zip(names, map(str, values)))
             points.append(Point(point_label(mesh, policy), mesh, policy))

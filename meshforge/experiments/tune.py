@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Problem, RecipeError
+from meshforge.configs.inert import unread_on_mesh
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
@@ -150,7 +151,7 @@ def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]
         return None
     mesh = ParallelDims.from_config(cfg.mesh).degrees
     policy = {}
-    for key in axes:
+    for key in (k for k in axes if not unread_on_mesh(k, mesh)):  # as sweep_points crosses them
         section, _, field = key.rpartition(".")
         value = cfg
         for part in section.split("."):
