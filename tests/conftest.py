@@ -162,7 +162,7 @@ QUICK = [
     "logging.wandb=false",
     "logging.progress=false",
     # the step tracked by category costs 1 s (2 ranks) to 3 s (8) per launch: the tests that read
-    # the breakdown ask for it (TRACKED), the default run's terminal test has the default
+    # the breakdown ask for it (TRACKED)
     "logging.memory_breakdown_step=0",
 ]
 TRACKED = "logging.memory_breakdown_step=2"  # the default: step 2 tracked by category

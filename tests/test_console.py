@@ -42,3 +42,65 @@ def test_quiet_runs_show_nothing_but_meshforge_s_own_messages(tmp_path):
     assert "INFO meshforge: an earlier run's records were moved to outputs/q." in second.stderr
     third = run_cli([*args, "--log-level", "warning"], cwd=tmp_path, fresh=True)
     assert "records were moved" not in third.stderr  # below the level
+
+
+def test_the_launcher_says_the_ranks_meshforge_warnings_as_they_come_once_and_only_this_launch_s():
+    """The watcher of a local launch (run/launch/watch.py) on logs written as torch's launcher lays
+    them out: meshforge's warnings of this launch's ranks are logged once each, under the banner,
+    a line still being written waits for its end; the end-of-run list holds the rest (torch's,
+    Python's), and an earlier launch's logs in the same run folder are not this launch's."""
+    import io
+    import json
+    import logging
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from meshforge.run.launch.watch import RunWatcher
+    from meshforge.run.observe.console import RunConsole
+
+    started = time.time()
+    # outside pytest's tmp folders, whose rank log folders mean a launch (conftest's slow-marker check)
+    run_dir = Path(tempfile.mkdtemp()) / "run"
+    logs = {r: run_dir / "logs" / "meshforge-new00000_ab12" / "attempt_0" / str(r) for r in (0, 1)}
+    old = run_dir / "logs" / "meshforge-old00000_cd34" / "attempt_0" / "0"
+    for folder in [*logs.values(), old]:
+        folder.mkdir(parents=True)
+    changed = "WARNING meshforge: resumed with the recipe's optimizer settings: optimizer.lr: 0.001 -> 0.01\n"
+    torch_warning = "/x/torch/fsdp.py:12: UserWarning: a torch warning\n"
+    (logs[0] / "stderr.log").write_text(changed + torch_warning)
+    (logs[1] / "stderr.log").write_text(changed + torch_warning + "WARNING meshforge: a step was ski")
+    (old / "stderr.log").write_text("WARNING meshforge: an earlier launch's\nUserWarning: an earlier one\n")
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("meshforge.run").addHandler(handler)
+    console = RunConsole(enabled=True)
+    console.console = Console(file=io.StringIO(), width=200)
+    watcher = RunWatcher(run_dir, console, started, "meshforge-new00000")
+    try:
+        watcher._poll()
+        assert said == []  # nothing before the banner: run.json is not written yet
+        banner = {"run_name": "r", "model": "llama3/debug", "n_params": 1, "world_size": 2}
+        banner |= {"device_type": "cpu", "mesh": "dp_shard=2", "total_steps": 3}
+        info = {"start_time": started, "banner": banner, "loggers": {}}
+        (run_dir / "run.json").write_text(json.dumps(info))
+        watcher._poll()
+        assert said == [changed.removeprefix("WARNING meshforge: ").strip()]  # two ranks, once
+        with open(logs[1] / "stderr.log", "a") as f:
+            f.write("pped\n")
+        watcher._poll()
+        watcher._poll()
+        assert said[1:] == ["a step was skipped"]
+        watcher.print_warnings()
+    finally:
+        logging.getLogger("meshforge.run").removeHandler(handler)
+        shutil.rmtree(run_dir.parent)
+    shown = console.console.file.getvalue()
+    assert "meshforge r: llama3/debug" in shown
+    assert shown.count("UserWarning: a torch warning") == 1 and "earlier" not in shown
+    assert "meshforge:" not in shown.split("warnings from the ranks")[1]  # said as they came

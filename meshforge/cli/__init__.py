@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not (args.dry_run or args.print_config):
         _start_rank_server(args)
     recipe = _load(args, _env_world(args.nproc))
-    if args.quiet:  # no banner, progress or summary: errors still reach stderr, the records everything
+    if args.quiet:  # no banner, progress or summary: errors and warnings still reach stderr
         recipe.logging.progress = False
     if args.print_config:
         print(recipe_to_toml(recipe), end="")  # plain: TOML that loads back to the same recipe

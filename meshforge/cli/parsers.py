@@ -61,7 +61,11 @@ def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
     p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
-    p.add_argument("--quiet", action="store_true", help="no banner, progress or summary (errors still show)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no banner, progress or summary (errors and meshforge's warnings still show)",
+    )
     p.add_argument(
         "--log-level",
         default=None,

@@ -48,6 +48,7 @@ class RunWatcher:
         self._stop.set()
         self._thread.join()
         self._poll()  # the last lines
+        self._forward_own_warnings()  # a run that ended before its banner still says them
         info = self._info()
         if info is not None and "summary" in info:
             self.console.finish(
@@ -73,13 +74,13 @@ class RunWatcher:
             self._poll()
 
     def _poll(self) -> None:
-        self._forward_own_warnings()
         if not self._shown:
             info = self._info()
             if info is None:
                 return
             self.console.start(Banner(**info["banner"]), self.run_dir, info.get("wandb"))
             self._shown = True
+        self._forward_own_warnings()  # under the banner
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
