@@ -185,7 +185,9 @@ def titan_workdir(shim: Path) -> Path:
     return work
 
 
-def run_titan(layout: str, dtype: str, steps: int, warmup: int, work: Path, port: int) -> dict:
+def run_titan(
+    layout: str, dtype: str, steps: int, warmup: int, work: Path, port: int, extra: tuple = ()
+) -> dict:
     nproc, _, flags = LAYOUTS[layout]
     exe = Path(sys.executable).parent / "torchrun"
     cmd = [
@@ -213,6 +215,7 @@ def run_titan(layout: str, dtype: str, steps: int, warmup: int, work: Path, port
         "--dump-folder",
         f"out_{layout}_{dtype}",
         *flags,
+        *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)

@@ -60,6 +60,45 @@ def test_vs_torchtitan_benchmark_writes_its_results(tmp_path):
     assert "| 1proc | float32 |" in (tmp_path / "vs_torchtitan.md").read_text()
 
 
+def test_a_profiled_step_splits_the_same_way_for_either_framework(monkeypatch):
+    """vs_torchtitan_profile's classifier on a hand-made trace: nested matmuls counted once, a
+    matmul inside the optimizer's region is the optimizer's, the rest of the step is 'other'."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from vs_torchtitan_profile import split_steps
+
+    def op(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur}
+
+    step = [op("ProfilerStep#7", 0, 100), op("ProfilerStep#8", 200, 50)]
+    ops = [op("aten::linear", 5, 40), op("aten::mm", 10, 30), op("gloo:all_reduce", 50, 10)]
+    ops += [op("Optimizer.step#AdamW.step", 70, 20), op("aten::mm", 75, 5), op("aten::addmm", 210, 10)]
+    got = split_steps({"traceEvents": [*step, *ops, {"ph": "i", "name": "x", "ts": 1}]}, "ProfilerStep#")
+    # per step: (matmul 40 + 10, collectives 10 + 0, optimizer 20 + 0, other 30 + 40) / 2, in seconds
+    assert got == {
+        "steps": 2,
+        "step_s": pytest.approx(75e-6),
+        "matmul_s": pytest.approx(25e-6),
+        "collectives_s": pytest.approx(5e-6),
+        "optimizer_s": pytest.approx(10e-6),
+        "other_s": pytest.approx(35e-6),
+    }
+
+
+@pytest.mark.slow
+def test_vs_torchtitan_profile_benchmark_writes_its_results(tmp_path):
+    """Our side of the profile (TorchTitan's trainer is left out: its shim is outside the repo)."""
+    args = ["--points", "1proc:float32", "--no-titan", "--out", str(tmp_path)]
+    proc = run_benchmark("vs_torchtitan_profile.py", args, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "vs_torchtitan_profile.json").read_text())["rows"]
+    ours = row["meshforge"]
+    assert ours["steps"] == 5 and ours["collectives_s"] == 0  # one process: nothing to gather
+    assert ours["matmul_s"] > 0 and ours["optimizer_s"] > 0 and ours["other_s"] > 0
+    parts = ours["matmul_s"] + ours["collectives_s"] + ours["optimizer_s"] + ours["other_s"]
+    assert parts == pytest.approx(ours["step_s"])
+    assert "| 1proc | float32 | meshforge |" in (tmp_path / "vs_torchtitan_profile.md").read_text()
+
+
 def test_gpu_check_says_so_on_a_machine_without_cuda(tmp_path):
     proc = run_benchmark("gpu_check.py", ["--out", str(tmp_path)], tmp_path, timeout=120)
     assert proc.returncode == 2 and "no CUDA device here" in proc.stderr
