@@ -122,10 +122,11 @@ def run_sweep(
     points = select_points(sweep_points(world, sw.axes, experts), sw.only, world, experts)
     meshes = len(mesh_shapes(world, experts))
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
+    layouts = len({ParallelDims(**p.mesh).label() for p in points})
+    crossed = f" x {', '.join(sw.axes)} where read" if sw.axes else ""
     console.print(
         f"sweep {sweep_dir}: {len(points)} points over {world} ranks "
-        f"({meshes} meshes x {max(1, len(points) // meshes)} policies), "
-        f"launcher: {launcher}",
+        f"({layouts} of {meshes} layouts{crossed}), launcher: {launcher}",
         highlight=False,
     )
     if launcher == "slurm":
