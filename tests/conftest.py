@@ -182,7 +182,11 @@ EXTRAS = (
 
 def pytest_sessionstart(session):
     """CI installs every extra (.[all]) and runs the whole suite with nothing skipped: a missing
-    extra there is an error, not a skip. Locally, `.[test]` runs the quick subset without them."""
+    extra there is an error, not a skip. Locally, `.[test]` runs the quick subset without them.
+    A suite started in the background (`nohup ... &`) inherits SIGINT ignored, and so would every
+    program it starts, whose Ctrl-C tests then find it never stops: SIGINT is given back."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("CI"):
         import importlib.util
 
