@@ -35,9 +35,8 @@ class RunWatcher:
         self._logs = f"logs/{launch_id}_*/**/stderr.log"  # DefaultLogsSpecs' folder per launch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
-        self._offset = 0
         self._shown = False
-        self._log_offsets: dict[Path, int] = {}
+        self._offsets: dict[Path, int] = {}  # how far each followed file (records, logs) was read
         self._said: set[str] = set()  # meshforge's warnings already shown
 
     def __enter__(self) -> RunWatcher:
@@ -84,14 +83,19 @@ class RunWatcher:
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
-        with open(path) as f:
-            f.seek(self._offset)
-            text = f.read()
-        complete = text[: text.rfind("\n") + 1]  # a line still being written waits for the next poll
-        self._offset += len(complete)
-        for line in complete.splitlines():
+        for line in self._new_lines(path):
             row = json.loads(line)
             self.console.update(row["step"], row)
+
+    def _new_lines(self, path: Path) -> list[str]:
+        """The complete lines `path` has gained since the last call (one still being written waits
+        for the next); offsets in bytes, so any text reads back where it stopped."""
+        with open(path, "rb") as f:
+            f.seek(self._offsets.get(path, 0))
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offsets[path] = self._offsets.get(path, 0) + len(complete)
+        return complete.decode(errors="replace").splitlines()
 
     def _forward_own_warnings(self) -> None:
         """meshforge's warnings the ranks logged since the last poll, each distinct one once,
@@ -99,12 +103,7 @@ class RunWatcher:
         the recipe on resume, a skipped step), so they show when they happen, progress display or
         not. (A rank's error ends the launch, which names it.)"""
         for path in sorted(self.run_dir.glob(self._logs)):
-            with open(path, "rb") as f:
-                f.seek(self._log_offsets.get(path, 0))
-                data = f.read()
-            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-            self._log_offsets[path] = self._log_offsets.get(path, 0) + len(complete)
-            for line in complete.decode(errors="replace").splitlines():
+            for line in self._new_lines(path):
                 if (own := _OWN.match(line.strip())) and own.group(1) not in self._said:
                     self._said.add(own.group(1))
                     log.warning(own.group(1))
