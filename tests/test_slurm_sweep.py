@@ -258,7 +258,8 @@ def test_plan_prints_every_layout_and_launches_nothing(tmp_path):
 def test_auto_launcher_goes_to_slurm_only_when_the_world_needs_more_gpus(monkeypatch):
     import torch
 
-    from meshforge.experiments.sweep import choose_launcher, select_points, sweep_points
+    from meshforge.experiments.grid import select_points, sweep_points
+    from meshforge.experiments.sweep import choose_launcher
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

@@ -14,7 +14,7 @@ from meshforge.core.errors import UsageError
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments import compare
-from meshforge.experiments.sweep import mesh_shapes, sweep_points
+from meshforge.experiments.grid import mesh_shapes, sweep_points
 from meshforge.run.observe import wandb_files as wf
 
 # the pp=4 point fails at its first step, on purpose: it must be recorded, not fatal
@@ -241,3 +241,25 @@ def test_parity_mode_flags_a_perturbed_run(sweep, tmp_path):
     assert not results["perturbed"]["ok"] and results["perturbed"]["max_dloss"] == pytest.approx(
         1e-3, rel=1e-3
     )
+
+
+def test_an_axis_no_layout_reads_or_that_does_not_parse_is_refused():
+    """Crossing a policy only with the meshes that read it must not hide a bad axis: one that no
+    layout of the grid reads (no pipeline among 1 rank's layouts) changes nothing, and a value is
+    checked as its field."""
+    from meshforge.configs import RecipeError
+    from meshforge.experiments.grid import grid_points
+
+    recipe = str(RECIPES / "debug_cpu.toml")
+    with pytest.raises(RecipeError) as e:
+        grid_points(recipe, [], 1, {"pp.schedule": ["1F1B", "GPipe"]}, [], 0)
+    assert [str(p) for p in e.value.problems] == [
+        "axis pp.schedule = ['1F1B', 'GPipe']: no layout of this grid reads it (degree 1)"
+    ]
+    with pytest.raises(RecipeError) as e:
+        grid_points(recipe, [], 4, {"pp.schedul": ["1F1B"], "tp.sequence_parallel": ["maybe"]}, [], 0)
+    said = [str(p) for p in e.value.problems]
+    assert "pp.schedul = '1F1B': unknown key; did you mean pp.schedule?" in said
+    assert "tp.sequence_parallel = 'maybe': wrong type: expected bool" in said
+    points = grid_points(recipe, [], 4, {"pp.schedule": ["1F1B", "GPipe"]}, ["dp2-pp2", "dp4"], 0)
+    assert [p.label for p in points] == ["dp2-pp2-schedule=1F1B", "dp2-pp2-schedule=GPipe", "dp4"]

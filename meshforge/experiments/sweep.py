@@ -13,23 +13,21 @@ finished points and asks the scheduler again about jobs still queued or running.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Problem, Recipe, RecipeError
-from meshforge.configs.inert import unread_on_mesh
+from meshforge.configs import Recipe, RecipeError
 from meshforge.core.logs import log_level_name
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
+from meshforge.experiments.grid import grid_points, mesh_shapes
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
 from meshforge.recipe import experts_of, load_recipe
@@ -43,40 +41,6 @@ from meshforge.simulate.estimate import (
     submit_roles,
     trace_pool,
 )
-
-
-def mesh_shapes(world: int, experts: int = 0) -> list[dict[str, int]]:
-    """Every mesh of `world` ranks, as {dim: degree} (ParallelDims.all_of_world); for a MoE model
-    with `experts` per sparse layer, once per expert-parallel degree each can take."""
-    return [dims.degrees for dims in ParallelDims.all_of_world(world, experts)]
-
-
-def point_label(mesh: dict[str, int], policy: dict[str, str]) -> str:
-    """dp2-tp2-pp2 (+ policy values), also the run name of the point."""
-    parts = [ParallelDims(**mesh).label()] + [f"{k.split('.')[-1]}={v}" for k, v in policy.items()]
-    return "-".join(parts).replace("/", "_")
-
-
-@dataclass
-class Point:
-    label: str
-    mesh: dict[str, int]
-    policy: dict[str, str]
-
-    def overrides(self) -> list[str]:
-        return [f"mesh.{k}={v}" for k, v in self.mesh.items()] + [f"{k}={v}" for k, v in self.policy.items()]
-
-
-def sweep_points(world: int, axes: dict[str, list[str]], experts: int = 0) -> list[Point]:
-    """Every mesh of `world` ranks crossed with the axes' values, but for the policies a mesh leaves
-    unread (pp.* where pp = 1: each value would run the same point again)."""
-    points = []
-    for mesh in mesh_shapes(world, experts):
-        names = [n for n in axes if not unread_on_mesh(n, mesh)]
-        for values in itertools.product(*(axes[n] for n in names)):
-            policy = dict(zip(names, map(str, values)))
-            points.append(Point(point_label(mesh, policy), mesh, policy))
-    return points
 
 
 def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
@@ -119,7 +83,7 @@ def run_sweep(
     done = {} if plan_only else read_rows(record)
     group = base.logging.wandb_group or f"{stem}/{sweep_dir.name}"
     experts = experts_of(base)
-    points = select_points(sweep_points(world, sw.axes, experts), sw.only, world, experts)
+    points = grid_points(recipe_path, overrides, world, sw.axes, sw.only, experts)
     meshes = len(mesh_shapes(world, experts))
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
     layouts = len({ParallelDims(**p.mesh).label() for p in points})
@@ -255,20 +219,6 @@ def choose_launcher(launcher: str, world: int, device: str) -> str:
 
     gpus = torch.cuda.device_count() if device in ("auto", "cuda") and torch.cuda.is_available() else 0
     return "slurm" if gpus and world > gpus else "local"
-
-
-def select_points(points: list[Point], only: list[str], world: int, experts: int = 0) -> list[Point]:
-    """The points whose layout is in `sweep.only` (all when empty); an unknown layout is refused."""
-    if not only:
-        return points
-    layouts = [ParallelDims(**m).label() for m in mesh_shapes(world, experts)]
-    unknown = [label for label in only if label not in layouts]
-    if unknown:
-        raise RecipeError(
-            [Problem("sweep.only", unknown, f"not layouts of {world} ranks; valid: {', '.join(layouts)}")],
-            "sweep",
-        )
-    return [p for p in points if ParallelDims(**p.mesh).label() in only]
 
 
 def _report(base: Recipe, group: str, sweep_dir: Path, record: Path, console: Console) -> None:

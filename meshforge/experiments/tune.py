@@ -24,6 +24,7 @@ from meshforge.configs.inert import unread_on_mesh
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
+from meshforge.experiments.grid import grid_points, point_label
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep import (
     choose_launcher,
@@ -31,10 +32,7 @@ from meshforge.experiments.sweep import (
     mesh_for,
     plan_point,
     point_command,
-    point_label,
     run_point,
-    select_points,
-    sweep_points,
 )
 from meshforge.experiments.sweep_record import MEASURED, measure
 from meshforge.models import args_from_config
@@ -75,7 +73,7 @@ def tune(
     tune_dir = (tune_dir or Path(base.output_dir) / f"tune-{stem}-w{world}").resolve()
     group = base.logging.wandb_group or f"{stem}/{tune_dir.name}"
     experts = experts_of(base)
-    points = select_points(sweep_points(world, axes, experts), sw.only, world, experts)
+    points = grid_points(recipe_path, overrides, world, axes, sw.only, experts)
     own = _own_label(recipe_path, overrides, axes)
     console.print(
         f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
