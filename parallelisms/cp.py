@@ -82,6 +82,12 @@ def _natural_order(cp: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([held.index(c) for c in range(2 * cp)], device=device)
 
 
+def forget_cached_tensors() -> None:
+    """Drop the tensors cached above: a simulated rank's are fake tensors of its own trace, which
+    the next trace in the same process must not inherit (simulate/trace.trace_depths)."""
+    _natural_order.cache_clear()
+
+
 def _reorder_chunks(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """`x` (B, H, S, hd) cut into len(order) chunks along S, taken in `order`."""
     b, h, s, d = x.shape

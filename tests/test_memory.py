@@ -236,6 +236,27 @@ def test_a_deep_stage_traced_shallow_and_extrapolated_matches_its_full_trace(lay
                 assert scaled[c] == pytest.approx(full[c], rel=0.01, abs=0.01 * full["total"]), c
 
 
+def test_the_deeper_trace_of_a_shallow_pair_equals_it_traced_alone():
+    """A shallow pair runs in one process (trace_depths), the second trace on what torch cached in
+    the first: on TP x CP (DTensor plans, context parallel's cached chunk order) it must be the
+    same trace, memory and work, as in a fresh process."""
+    from meshforge.recipe import load_recipe
+    from meshforge.simulate.estimate import trace_pool, trace_rank
+    from meshforge.simulate.trace import trace_depths
+
+    layout = ["mesh.dp_shard=2", "mesh.cp=2", "mesh.tp=2", "mesh.pp=1", "activation_checkpoint.mode=full"]
+    low, high = (
+        load_recipe(RECIPES / "debug_cpu.toml", [*QUICK, *layout, f"model.n_layers={n}"], world_size=8)
+        for n in (4, 5)
+    )
+    with trace_pool() as pool:
+        pair = pool.submit(trace_depths, [low, high], 0)
+        alone = pool.submit(trace_rank, high, 0)
+        first, second = pair.result()
+        assert second == alone.result()
+        assert second["total"] > first["total"]  # the pair's traces are of their own depths
+
+
 @pytest.mark.slow
 def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
     """The issue's 'done when': every valid 8-rank layout of llm_1b, traced on a CPU, with a fit verdict."""

@@ -38,7 +38,7 @@ from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES
 from meshforge.simulate.fake_rank import trace_pool
-from meshforge.simulate.trace import FROM_START_PERIODS, trace_rank
+from meshforge.simulate.trace import FROM_START_PERIODS, trace_depths, trace_rank
 
 # A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
 # amount with each further block (its parameters, gradients, moments and saved activations), so
@@ -50,15 +50,16 @@ MIN_SHALLOW_PERIODS = 2 * FROM_START_PERIODS
 
 
 class Extrapolated:
-    """Two shallow traces of a rank (futures), extrapolated to the real depth by `result()`."""
+    """Two shallow traces of a rank (a future of both: trace_depths), extrapolated to the real
+    depth by `result()`."""
 
-    def __init__(self, low, high, periods: float):
-        self.low, self.high, self.periods = low, high, periods
+    def __init__(self, traces, periods: float):
+        self.traces, self.periods = traces, periods
 
     def result(self) -> dict:
         """Every phase's peak extrapolated on its own (the step's peak can move to another phase
         with depth: llm_1b cp4-pp2 and qwen3_30b_a3b dp8 did), the highest of them."""
-        low_trace, high_trace = self.low.result(), self.high.result()
+        low_trace, high_trace = self.traces.result()
         low, high = low_trace["phases"], high_trace["phases"]
         if missing := [p for p in low if p not in high]:  # a label that moved: the extrapolation is off
             raise RuntimeError(f"estimate: places of the shallow trace missing one period deeper: {missing}")
@@ -105,7 +106,7 @@ def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False):
     deeper and extrapolated linearly (Extrapolated).
     The period is 1 block, or `selective_every` under selective AC (checkpointed by layer id):
     shallow stages keep their block count and first layer id modulo the period, so the same
-    blocks are checkpointed. Each trace runs in its own worker process (trace_pool)."""
+    blocks are checkpointed. Each trace (or shallow pair) runs in its own worker process (trace_pool)."""
     dims = ParallelDims.from_config(recipe.mesh)
     counts = [len(ids) for ids in stage_layout_of(recipe, dims)]
     ac = recipe.activation_checkpoint
@@ -128,10 +129,8 @@ def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False):
     high = [lo + period if lo < n else n for lo, n in zip(low, counts)]
     if sum(low[s] + high[s] for s in mine) >= sum(counts[s] for s in mine):  # no cheaper
         return pool.submit(trace_rank, recipe, rank, work)
-    low_trace, high_trace = (
-        pool.submit(trace_rank, _with_stage_blocks(recipe, dims, c), rank, work) for c in (low, high)
-    )
-    return Extrapolated(low_trace, high_trace, missing / period)  # `high` adds one period to each
+    shallow = [_with_stage_blocks(recipe, dims, c) for c in (low, high)]  # `high` adds a period to each
+    return Extrapolated(pool.submit(trace_depths, shallow, rank, work), missing / period)
 
 
 def stage_layout_of(recipe: Recipe, dims: ParallelDims) -> list[list[int]]:

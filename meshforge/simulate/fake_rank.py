@@ -13,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _disable_current_modes
@@ -74,13 +75,14 @@ def isolated_sharding_propagation() -> Iterator[None]:
     DTensor runs the op on fake tensors of the *global* shape; under a trace's FakeTensorMode
     torch runs that in the trace's own mode, below its MemTracker, so the tracker counted
     global-shape tensors no rank holds (llm_1b tp8: 10.78 GiB traced where a rank holds ~4.2).
-    Here it runs with the trace's modes set aside, in a fresh fake mode (torch 2.13's private
+    Here it runs with the trace's modes set aside, in a fake mode of its own (torch 2.13's private
     `_propagate_tensor_meta_non_cached`, which every propagation reaches under a fake mode: a
     renamed one fails the trace, and tests/test_memory.py's tp test with it)."""
     original = ShardingPropagator._propagate_tensor_meta_non_cached
+    aside = FakeTensorMode()  # one for the trace: torch would make one per op (~5 ms each)
 
     def propagate_aside(self, op_schema):
-        with _disable_current_modes():  # the op then finds no fake mode and makes its own
+        with _disable_current_modes(), aside:  # the op runs in `aside`, which no tracker watches
             return original(self, op_schema)
 
     ShardingPropagator._propagate_tensor_meta_non_cached = propagate_aside

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from meshforge.configs import Recipe
 from meshforge.models import args_from_config
 from meshforge.parallelisms import to_empty
+from meshforge.parallelisms.cp import forget_cached_tensors
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
@@ -78,6 +79,18 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
                 "boundary_bytes": shape[0] * shape[1] * shape[2] * dtype.itemsize,
             }
         return traced
+
+
+def trace_depths(recipes: list[Recipe], rank: int, work: bool = True) -> list[dict]:
+    """`trace_rank` of one rank for recipes that differ only in depth, one after another in one
+    process: the same rank of the same mesh, so what torch cached in the first (fake-tensor
+    dispatch, DTensor sharding plans) holds for the next, which runs ~30% faster. (Different
+    ranks cannot share a process: torch's cached plans name the first rank's process groups.)"""
+    traces = []
+    for recipe in recipes:
+        forget_cached_tensors()  # one cached by the last trace would go uncounted in this one
+        traces.append(trace_rank(recipe, rank, work))
+    return traces
 
 
 def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
