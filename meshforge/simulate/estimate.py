@@ -10,7 +10,8 @@ the real step allocates them. Under pipeline parallelism the rank's forwards and
 backwards run in the schedule's own action order, so the microbatches a schedule keeps
 in flight are alive at once, and FSDP is driven as torch's PipelineStage drives it.
 A deep stage is traced shallow and one period (a block, or selective AC's period) deeper,
-and extrapolated to its depth (submit_trace). Measured against real runs by
+both in one worker (the second runs on what torch cached for the first), and extrapolated to
+its depth (submit_trace). Measured against real runs by
 benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
