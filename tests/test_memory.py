@@ -257,6 +257,18 @@ def test_the_deeper_trace_of_a_shallow_pair_equals_it_traced_alone():
         assert second["total"] > first["total"]  # the pair's traces are of their own depths
 
 
+def test_a_trace_pool_left_by_ctrl_c_drops_the_traces_not_yet_started():
+    """A sweep stopped while its points trace leaves at once, not after every pending trace."""
+    import time
+
+    from meshforge.simulate.estimate import trace_pool
+
+    with pytest.raises(KeyboardInterrupt), trace_pool(1) as pool:
+        futures = [pool.submit(time.sleep, 0.2) for _ in range(20)]
+        raise KeyboardInterrupt
+    assert sum(f.cancelled() for f in futures) >= 15  # all but those already handed to the worker
+
+
 @pytest.mark.slow
 def test_estimate_every_mesh_of_llm_1b_on_8_ranks(tmp_path):
     """The issue's 'done when': every valid 8-rank layout of llm_1b, traced on a CPU, with a fit verdict."""

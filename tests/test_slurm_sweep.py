@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, REPO, cli_env, run_cli, slurm_env
+from conftest import QUICK, RECIPES, REPO, cli_env, run_cli, slurm_env
 
 from meshforge.configs import RecipeError
 from meshforge.configs.schema import SlurmConfig
@@ -203,9 +203,11 @@ def readme_slurm_command() -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_readme_llm_8b_command_submits_two_node_jobs(tmp_path):
+def test_the_readme_llm_8b_command_submits_two_node_jobs_as_their_points_are_judged(tmp_path):
     """Run as written (the jobs are held in the fake queue: no 8B model trains here) and
-    stopped once max_concurrent jobs are queued."""
+    stopped once max_concurrent jobs are queued. Jobs go out as their points are judged, while
+    the rest are traced: with the queue full, no further point is judged, and Ctrl-C leaves the
+    queued jobs to the scheduler without waiting for the traces still pending."""
     words = readme_slurm_command()
     assert words[:2] == ["meshforge", "sweep"]
     env = slurm_env(tmp_path, FAKE_SLURM_HOLD="1")
@@ -221,8 +223,13 @@ def test_the_readme_llm_8b_command_submits_two_node_jobs(tmp_path):
     assert proc.returncode == 130 and "4 job(s) left to the scheduler" in err, err[-2000:]
     rows = rows_of(sweep_dir)
     status = [r["status"] for r in rows]
-    # 36 of the 70 layouts refused: with one sample a rank, every pipeline has too few microbatches
-    assert status.count("queued") == 4 and status.count("refused") == 36 and status.count("skipped") == 2
+    # the points before the fourth job that fits, refused (every pipeline: one sample a rank is
+    # too few microbatches), and nothing judged after it
+    assert status.count("queued") == 4 and status[-1] == "queued" and len(rows) < 70
+    assert set(status) == {"queued", "refused"}
+    refused = [r for r in rows if r["status"] == "refused"]
+    assert all("pp.microbatches" in r["error"] for r in refused if "pp" in r["label"])
+    assert all(r["error"] for r in refused)
     for r in (r for r in rows if r["status"] == "queued"):
         script = Path(r["script"]).read_text()
         for line in (
@@ -235,8 +242,21 @@ def test_the_readme_llm_8b_command_submits_two_node_jobs(tmp_path):
             assert f"#SBATCH {line}" in script, (r["label"], line)
         assert "--nproc_per_node 8" in script and "recipes/llm_8b.toml" in script
         assert r["estimate_gib"] <= 79
-    skipped = [r for r in rows if r["status"] == "skipped"]
-    assert {r["label"] for r in skipped} == {"dprep8-dp2", "dprep16"}
+
+
+@pytest.mark.slow
+def test_llm_8b_layouts_that_do_not_fit_are_skipped(tmp_path):
+    """The traced estimate judges llm_8b's layouts against its 79 GiB: replicated weights do not fit."""
+    only = "sweep.only=[dp16,dprep8-dp2,dprep16]"
+    out = run_cli(
+        ["sweep", str(RECIPES / "llm_8b.toml"), "--world", "16", "--plan", only],
+        cwd=tmp_path,
+        program="meshforge",
+    )
+    assert out.returncode == 0, out.stderr
+    table = [ln for ln in out.stdout.splitlines() if ln.startswith("│")]
+    fits = {ln.split("│")[1].strip(): ln.split("│")[-2].strip() for ln in table}
+    assert fits == {"dp16": "yes", "dprep8-dp2": "no", "dprep16": "no"}
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +131,9 @@ def job_script(
         *(f"#SBATCH {d}" for d in directives),
         "set -euo pipefail",
         *cfg.setup,
-        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # all of scontrol's output read (not `| head -n 1`: under pipefail, scontrol's SIGPIPE failed the job)
+        'NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        'HEAD="${NODES[0]}"',
         f"PORT=$(({RDZV_PORT} + SLURM_JOB_ID % 10000))",
         "srun --kill-on-bad-exit=1 "
         + " ".join(a if a.startswith('"$') else shlex.quote(a) for a in torchrun)
@@ -214,7 +217,7 @@ MISSES_ALLOWED = 3  # polls a job may be missing from both squeue and sacct (acc
 
 
 def run_on_slurm(
-    todo: list[tuple],
+    todo: Iterable[tuple],
     active: dict[str, tuple[int, dict]],
     world: int,
     sw: SweepConfig,
@@ -225,17 +228,19 @@ def run_on_slurm(
     collect: str = "rerun the same command to collect them",
 ) -> None:
     """Submit `todo` ((i, point, row, recipe, command) each) as jobs, at most `max_concurrent` in the
-    queue at once, and follow them and the `active` ones (job id -> (i, row)) to the end.
-    Each state change is a row in `record`; Ctrl-C leaves the jobs to the scheduler (`collect`: how
-    their results are read later)."""
+    queue at once, and follow them and the `active` ones (job id -> (i, row)) to the end. `todo` is
+    read one point at a time, as a slot frees: a sweep's points still being traced come as they
+    are judged. Each state change is a row in `record`; Ctrl-C leaves the jobs to the scheduler
+    (`collect`: how their results are read later)."""
     cfg = sw.slurm
     time_limit = cfg.time or slurm_time(sw.timeout_s)
     (sweep_dir / "jobs").mkdir(exist_ok=True)
     misses: dict[str, int] = {}
+    pending = iter(todo)
     try:
-        while todo or active:
-            while todo and len(active) < cfg.max_concurrent:
-                i, pt, row, recipe, command = todo.pop(0)
+        while True:
+            while len(active) < cfg.max_concurrent and (upcoming := next(pending, None)):
+                i, pt, row, recipe, command = upcoming
                 log, script = sweep_dir / f"{pt.label}.log", sweep_dir / "jobs" / f"{pt.label}.sbatch"
                 gpus = recipe.train.device in ("cuda", "auto")
                 name = f"{sweep_dir.name}-{pt.label}"
@@ -244,6 +249,8 @@ def run_on_slurm(
                 row["submitted"] = time.time()
                 append_row(record, row, console, i, n)
                 active[row["job_id"]] = (i, row)
+            if not active:  # and nothing left to submit
+                break
             time.sleep(cfg.poll_s)
             states = query(list(active))
             for job_id, (i, row) in list(active.items()):

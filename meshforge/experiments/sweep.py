@@ -18,12 +18,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError
+from meshforge.configs.schema import SweepConfig
 from meshforge.core.logs import log_level_name
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
@@ -98,7 +100,7 @@ def run_sweep(
     if not plan_only:
         sweep_dir.mkdir(parents=True, exist_ok=True)
     n = len(points)
-    todo, active = [], {}
+    active = {}
     started = time.monotonic()
     with trace_pool() as pool:
         planned = []
@@ -110,24 +112,21 @@ def run_sweep(
                 active[old["job_id"]] = (i, old)  # submitted by an earlier run: ask the scheduler again
             else:
                 planned.append(plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool))
-        for i, pt, row, recipe, traces in planned:
-            if traces is not None:
-                _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
-            if plan_only:
-                continue
-            if row["status"] in ("refused", "skipped"):
-                append_row(record, row, console, i, n)
-            else:
-                todo.append((i, pt, row, recipe, point_command(recipe_path, row)))
-    if plan_only:
-        _print_plan([p[2] for p in planned], sw.device_memory_gib, console)
-        console.print(
-            f"planned {n} points in {time.monotonic() - started:.0f} s; nothing launched", highlight=False
-        )
-        return sweep_dir
-    if launcher == "slurm":
-        run_on_slurm(todo, active, world, sw, sweep_dir, record, console, n)
-    else:
+        if plan_only:
+            for _, _, row, recipe, traces in planned:
+                if traces is not None:
+                    _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
+            _print_plan([p[2] for p in planned], sw.device_memory_gib, console)
+            console.print(
+                f"planned {n} points in {time.monotonic() - started:.0f} s; nothing launched", highlight=False
+            )
+            return sweep_dir
+        todo = _judged(planned, recipe_path, sw, record, console, n)
+        if launcher == "slurm":  # each job submitted as soon as its point is judged: the rest trace meanwhile
+            run_on_slurm(todo, active, world, sw, sweep_dir, record, console, n)
+        else:
+            todo = list(todo)  # every trace done first: a local point's timing must not share its cores
+    if launcher != "slurm":
         for i, pt, row, _, command in todo:
             start = time.monotonic()
             status, error = run_point(command, sw.timeout_s, sweep_dir / f"{pt.label}.log")
@@ -137,6 +136,20 @@ def run_sweep(
             append_row(record, row, console, i, n)
     _report(base, group, sweep_dir, record, console)
     return sweep_dir
+
+
+def _judged(
+    planned: list, recipe_path: str, sw: SweepConfig, record: Path, console: Console, n: int
+) -> Iterator:
+    """The planned points that run, in order, as (i, point, row, recipe, command), each judged when
+    its traces are done; a refused or skipped one is recorded on the way."""
+    for i, pt, row, recipe, traces in planned:
+        if traces is not None:
+            _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
+        if row["status"] in ("refused", "skipped"):
+            append_row(record, row, console, i, n)
+        else:
+            yield i, pt, row, recipe, point_command(recipe_path, row)
 
 
 def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool, work: bool = False) -> tuple:

@@ -59,14 +59,23 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
         dist.destroy_process_group()
 
 
-def trace_pool(workers: int | None = None) -> ProcessPoolExecutor:
+class TracePool(ProcessPoolExecutor):
+    """A process pool that, left by an error or Ctrl-C, drops the traces not yet started instead
+    of waiting for them (a sweep's pending traces took minutes to wind down)."""
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        self.shutdown(wait=True, cancel_futures=kind is not None)
+        return False
+
+
+def trace_pool(workers: int | None = None) -> TracePool:
     """Worker processes, one simulated rank per process: each starts clean (torch caches
     DTensor plans and sliced DeviceMeshes by mesh layout, which simulated ranks would share).
     Workers fork from a server that imported torch once, so a trace does not pay for it."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["meshforge.simulate.estimate", "meshforge.simulate.sharding"])
     workers = workers or max(1, min(4, len(os.sched_getaffinity(0))))
-    return ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1)
+    return TracePool(workers, mp_context=ctx, max_tasks_per_child=1)
 
 
 @contextlib.contextmanager
