@@ -19,6 +19,7 @@ from conftest import QUICK, RECIPES, REPO, cli_env, run_cli, slurm_env
 
 from meshforge.configs import RecipeError
 from meshforge.configs.schema import SlurmConfig
+from meshforge.experiments.grid import grid_points
 from meshforge.experiments.slurm import job_script, nodes_for, slurm_time
 
 SWEEP = [
@@ -223,9 +224,11 @@ def test_the_readme_llm_8b_command_submits_two_node_jobs_as_their_points_are_jud
     assert proc.returncode == 130 and "4 job(s) left to the scheduler" in err, err[-2000:]
     rows = rows_of(sweep_dir)
     status = [r["status"] for r in rows]
-    # the points before the fourth job that fits, refused (every pipeline: one sample a rank is
-    # too few microbatches), and nothing judged after it
-    assert status.count("queued") == 4 and status[-1] == "queued" and len(rows) < 70
+    # the points up to the fourth that fits, in order, each once: the others refused (every
+    # pipeline: one sample a rank is too few microbatches), and no later point judged
+    points = [p.label for p in grid_points(str(RECIPES / "llm_8b.toml"), [], 16, {}, [], 0)]
+    assert [r["label"] for r in rows] == points[: len(rows)] and len(rows) < len(points)
+    assert status.count("queued") == 4 and status[-1] == "queued"
     assert set(status) == {"queued", "refused"}
     refused = [r for r in rows if r["status"] == "refused"]
     assert all("pp.microbatches" in r["error"] for r in refused if "pp" in r["label"])

@@ -2,10 +2,11 @@
 
 W&B's sweep controller needs a server and cannot express dp_replicate*dp_shard*cp*tp*pp ==
 world size, so the grid is built here. First the plan: every point is validated (refusals
-are recorded with the reason) and its traced estimate computed, all at once on a pool of
+are recorded with the reason) and its traced estimate started, all at once on a pool of
 simulated ranks; points that do not fit the device memory are skipped (`--plan` stops
 here, launching nothing). Then each point runs as its own `run_recipe` with a timeout:
-here, one after another, or as a Slurm job (slurm.py), several at once. A point that fails,
+here, one after another once every trace is done, or as a Slurm job (slurm.py), several at
+once, each submitted as soon as its point is judged. A point that fails,
 OOMs, hangs or is cancelled is recorded and the sweep goes on. `sweep.jsonl`
 (sweep_record.py) is appended as things happen, so rerunning the same sweep keeps the
 finished points and asks the scheduler again about jobs still queued or running.
@@ -142,11 +143,17 @@ def _judged(
     planned: list, recipe_path: str, sw: SweepConfig, record: Path, console: Console, n: int
 ) -> Iterator:
     """The planned points that run, in order, as (i, point, row, recipe, command), each judged when
-    its traces are done; a refused or skipped one is recorded on the way."""
+    its traces are done; a refused or skipped one is recorded on the way, and one whose trace
+    failed is recorded failed (jobs may be queued already: the sweep goes on, a rerun retries it)."""
     for i, pt, row, recipe, traces in planned:
         if traces is not None:
-            _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
-        if row["status"] in ("refused", "skipped"):
+            try:
+                traced = heaviest(traces)
+            except Exception as e:  # the trace's own error, from its worker
+                row.update(status="failed", error=f"traced estimate failed: {type(e).__name__}: {e}")
+            else:
+                _judge_fit(row, recipe, traced, sw.device_memory_gib)
+        if row["status"] in ("refused", "skipped", "failed"):
             append_row(record, row, console, i, n)
         else:
             yield i, pt, row, recipe, point_command(recipe_path, row)

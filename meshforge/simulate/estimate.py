@@ -51,16 +51,17 @@ MIN_SHALLOW_PERIODS = 2 * FROM_START_PERIODS
 
 
 class Extrapolated:
-    """Two shallow traces of a rank (a future of both: trace_depths), extrapolated to the real
-    depth by `result()`."""
+    """Two shallow traces of a rank (one future of both, trace_depths, or a future of each),
+    extrapolated to the real depth by `result()`."""
 
-    def __init__(self, traces, periods: float):
+    def __init__(self, traces: list, periods: float):
         self.traces, self.periods = traces, periods
 
     def result(self) -> dict:
         """Every phase's peak extrapolated on its own (the step's peak can move to another phase
         with depth: llm_1b cp4-pp2 and qwen3_30b_a3b dp8 did), the highest of them."""
-        low_trace, high_trace = self.traces.result()
+        done = [t.result() for t in self.traces]
+        low_trace, high_trace = done[0] if len(done) == 1 else done
         low, high = low_trace["phases"], high_trace["phases"]
         if missing := [p for p in low if p not in high]:  # a label that moved: the extrapolation is off
             raise RuntimeError(f"estimate: places of the shallow trace missing one period deeper: {missing}")
@@ -101,10 +102,11 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
     return {**high, "costs": costs}
 
 
-def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False):
+def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False, paired: bool = True):
     """Rank `rank`'s traced peak (a future), with its work if `work` (step-time prediction):
     traced at the recipe's depth, or, where that costs more, at a shallow depth and one period
-    deeper and extrapolated linearly (Extrapolated).
+    deeper and extrapolated linearly (Extrapolated). `paired`: both shallow traces in one worker
+    (less work in all, for many traces); otherwise each in its own (sooner, for one).
     The period is 1 block, or `selective_every` under selective AC (checkpointed by layer id):
     shallow stages keep their block count and first layer id modulo the period, so the same
     blocks are checkpointed. Each trace (or shallow pair) runs in its own worker process (trace_pool)."""
@@ -131,7 +133,9 @@ def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False):
     if sum(low[s] + high[s] for s in mine) >= sum(counts[s] for s in mine):  # no cheaper
         return pool.submit(trace_rank, recipe, rank, work)
     shallow = [_with_stage_blocks(recipe, dims, c) for c in (low, high)]  # `high` adds a period to each
-    return Extrapolated(pool.submit(trace_depths, shallow, rank, work), missing / period)
+    if paired:
+        return Extrapolated([pool.submit(trace_depths, shallow, rank, work)], missing / period)
+    return Extrapolated([pool.submit(trace_rank, r, rank, work) for r in shallow], missing / period)
 
 
 def stage_layout_of(recipe: Recipe, dims: ParallelDims) -> list[list[int]]:
@@ -151,14 +155,15 @@ def _with_stage_blocks(recipe: Recipe, dims: ParallelDims, counts: list[int]) ->
 
 def traced_estimate(recipe: Recipe, pool) -> dict:
     """The heaviest role's categories, with `rank` saying which global rank it is."""
-    return heaviest(submit_roles(recipe, pool))
+    return heaviest(submit_roles(recipe, pool, paired=False))
 
 
-def submit_roles(recipe: Recipe, pool, work: bool = False) -> list:
+def submit_roles(recipe: Recipe, pool, work: bool = False, paired: bool = True) -> list:
     """One trace per distinct role of the mesh, started on `pool` (trace_pool), with each role's
-    work if `work`; `heaviest` collects them, so many recipes' traces can run at once."""
+    work if `work`; `heaviest` collects them, so many recipes' traces can run at once (`paired`:
+    submit_trace)."""
     return [
-        (rank, submit_trace(recipe, rank, pool, work))
+        (rank, submit_trace(recipe, rank, pool, work, paired))
         for rank in ParallelDims.from_config(recipe.mesh).role_ranks()
     ]
 
@@ -208,8 +213,8 @@ def estimate_rows(
                 "analytic": analytic_figures(plan),
             }
             rows.append(row)
-            if traced:
-                pending.append((row, submit_roles(recipe, pool)))
+            if traced:  # one recipe's shallow pairs in parallel, many recipes' each in one worker
+                pending.append((row, submit_roles(recipe, pool, paired=all_meshes)))
         for row, results in pending:
             row["traced"] = heaviest(results)
     for row in rows:

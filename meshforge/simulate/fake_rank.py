@@ -60,8 +60,10 @@ def simulated_rank(recipe: Recipe, rank: int) -> Iterator[tuple[ParallelDims, Me
 
 
 class TracePool(ProcessPoolExecutor):
-    """A process pool that, left by an error or Ctrl-C, drops the traces not yet started instead
-    of waiting for them (a sweep's pending traces took minutes to wind down)."""
+    """A process pool that, left by an error or Ctrl-C, drops the traces not yet started (a
+    sweep's pending traces took minutes to wind down before it said which jobs it left to the
+    scheduler); the running ones end first (not waiting for them, wait=False, breaks Python
+    3.11's pool of workers that serve one task each: its manager thread fails respawning one)."""
 
     def __exit__(self, kind, value, traceback) -> bool:
         self.shutdown(wait=True, cancel_futures=kind is not None)

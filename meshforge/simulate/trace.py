@@ -30,7 +30,8 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
     """Rank `rank`'s peak memory by category, traced on fake tensors (see module doc), under
     `phases` each place's own peak by category (block_locator), and with `work` under `work` each
     phase's work (op_costs.CostRecorder: a fifth of the trace's time, which memory alone skips).
-    Run it in a fresh process (trace_pool): torch caches plans by mesh layout across traces."""
+    Run it in a fresh process (trace_pool), or after traces of the same rank and mesh only
+    (trace_depths): torch caches plans by mesh layout across traces."""
     with (
         simulated_rank(recipe, rank) as (dims, meshes, pmodel),
         FakeTensorMode(allow_non_fake_inputs=True),

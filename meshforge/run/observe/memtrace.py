@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed.tensor import DTensor
 
 from meshforge.core.units import GiB
 
@@ -101,9 +103,13 @@ class StepMemTracker(MemTracker):
         self.phase_peaks: dict[str, dict] = {}  # {phase[:place]: {device: snapshot at its peak}}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _NO_TENSOR_OPS:  # nothing allocated, so nothing to track: ~15% of a trace's time
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if func not in _NO_TENSOR_OPS or DTensor in types:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        # torch's path without its search of the output for tensors to track (there are none)
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._fake_mode_on_entry:
+            self._update_peak_stats(None)  # the place it runs in keeps its peak, as on torch's path
+        return out
 
     def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
         try:
