@@ -88,3 +88,18 @@ def test_cpu_peak_is_one_ranks_share_of_the_cores(monkeypatch):
     assert flops.device_peak_flops(one, "float32") == 40e9
     assert flops.cpu_share(ranks_on_host=4, threads=4, cores=16) == 1.0  # enough cores: nothing shared
     assert flops.cpu_share(ranks_on_host=2, threads=8, cores=4) == 0.5  # 16 threads asked of 4 cores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_peak_is_the_fastest_operand_layout(dtype):
+    """A training step's matmuls take their operands transposed or not (the forward A @ B^T, the
+    weight gradient A^T @ B, the input gradient A @ B), and a CPU's bf16 kernels differ by 10-17x
+    between these: the MFU peak is the fastest of them, which no layout beats (A @ B alone made a
+    bf16 run's MFU 199%)."""
+    from meshforge.run.observe import flops
+
+    peak = flops.measure_cpu_matmul_flops(sizes=(256,), dtype=dtype)
+    a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
+    for product in (lambda: a @ b, lambda: a @ b.t(), lambda: a.t() @ b):
+        rate = 2 * 256**3 / flops._best_seconds(product, 3)
+        assert rate < 1.25 * peak, (dtype, rate / 1e9, peak / 1e9)  # timing noise: 25%

@@ -36,13 +36,12 @@ from meshforge.jax.checkpoint import (
     with_adam_moments,
 )
 from meshforge.models import args_from_config, count_params, get_model_spec
-from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder, resolve_load
 from meshforge.run.checkpoint.state import ModelState, OptimizerState, say_optimizer_changes
 from meshforge.run.data.global_batch import global_batch_loader
 from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
-from meshforge.run.observe.flops import cpu_share, flops_per_token, measure_cpu_matmul_flops, usable_cores
+from meshforge.run.observe.flops import cpu_share, flops_per_token, peak_matmul_flops, usable_cores
 from meshforge.run.observe.memory import memory_metrics, rank_memory
 from meshforge.run.observe.record import RunState, Throughput
 from meshforge.run.train.evaluate import Evaluator, held_out_recipe
@@ -115,7 +114,7 @@ class JaxTrainer(TrainingRun):
         self.compute_dtype = jnp.bfloat16 if r.fsdp.param_dtype == "bfloat16" else None
         peak = None
         if jax.default_backend() == "cpu":  # the world's devices share this process's cores
-            rate = measure_cpu_matmul_flops(dtype=DTYPES[r.fsdp.param_dtype])
+            rate = _jax_matmul_flops(self.compute_dtype or jnp.float32)
             peak = rate * cpu_share(world, torch.get_num_threads(), usable_cores())
         self.throughput = Throughput(
             flops_per_token(args, r.train.seq_len, self.n_params), world, peak, "cpu"
@@ -264,3 +263,16 @@ class JaxTrainer(TrainingRun):
 def train_jax(recipe: Recipe) -> RunState:
     """Train `recipe` with backend=jax in this process."""
     return JaxTrainer(recipe).run()
+
+
+def _jax_matmul_flops(dtype) -> float:
+    """XLA's own peak matmul rate in the compute dtype on one device: the MFU peak of a JAX run
+    (XLA's CPU bf16 dot ran ~3x torch's fastest bf16 kernel here, so torch's rate was exceeded)."""
+
+    def product_of(n: int, layout: tuple[bool, bool]):
+        a, b = (jnp.ones((n, n), dtype) for _ in range(2))
+        dot = jax.jit(lambda a, b: (a.T if layout[0] else a) @ (b.T if layout[1] else b))
+        dot(a, b).block_until_ready()  # compiled before it is timed
+        return lambda: dot(a, b).block_until_ready()
+
+    return peak_matmul_flops(product_of)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,17 +50,46 @@ def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
     return None
 
 
-def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """This process's matmul FLOP/s in `dtype` with its current threads: the CPU 'peak' for
-    MFU (a CPU with bf16 matrix units runs bf16 faster than fp32: each is its own peak)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
+# A matmul's operands can each come transposed (A or A^T times B or B^T). A CPU's kernels differ
+# by up to 17x between these layouts in bfloat16 (this project's CI machine: 0.9 GFLOP/s for A @ B,
+# 9.5 for A @ B^T, the forward's, 16 for A^T @ B, the weight gradient's), and a training step runs
+# several of them, so a peak taken on one slow layout was exceeded (MFU 199% on a bf16 run).
+LAYOUTS = ((False, False), (False, True), (True, False), (True, True))
+
+
+def _best_seconds(product, repeats: int) -> float:
+    product()  # warm-up
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a @ b
+        product()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return best
+
+
+def peak_matmul_flops(
+    product_of: Callable, sizes: tuple[int, ...] = (256, 512, 1024), repeats: int = 5
+) -> float:
+    """The best matmul FLOP/s over a few square sizes, in the operand layout that runs fastest
+    (picked at the smallest size, so the slow layouts cost little). `product_of(n, layout)` gives
+    a function that runs one n x n product (of whichever framework the run computes with)."""
+    fastest = min(LAYOUTS, key=lambda layout: _best_seconds(product_of(sizes[0], layout), 1))
+    return max(2 * n**3 / _best_seconds(product_of(n, fastest), repeats) for n in sizes)
+
+
+def measure_cpu_matmul_flops(
+    sizes: tuple[int, ...] = (256, 512, 1024), repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> float:
+    """This process's peak torch matmul FLOP/s in `dtype` with its current threads
+    (`peak_matmul_flops`): the CPU 'peak' for MFU (a CPU with bf16 matrix units runs bf16 faster
+    than fp32: each is its own peak)."""
+
+    def product_of(n: int, layout: tuple[bool, bool]) -> Callable:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a, b = a.t() if layout[0] else a, b.t() if layout[1] else b
+        return lambda: a @ b
+
+    return peak_matmul_flops(product_of, sizes, repeats)
 
 
 def cpu_share(ranks_on_host: int, threads: int, cores: int) -> float:
