@@ -267,7 +267,7 @@ def train_jax(recipe: Recipe) -> RunState:
 
 def _jax_matmul_flops(dtype) -> float:
     """XLA's own peak matmul rate in the compute dtype on one device: the MFU peak of a JAX run
-    (XLA's CPU bf16 dot ran ~3x torch's fastest bf16 kernel here, so torch's rate was exceeded)."""
+    (XLA's CPU bf16 dot ran ~5x torch's fastest bf16 kernel here, so torch's rate was exceeded)."""
 
     def product_of(n: int, layout: tuple[bool, bool]):
         a, b = (jnp.ones((n, n), dtype) for _ in range(2))

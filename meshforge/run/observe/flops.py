@@ -51,7 +51,7 @@ def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
 
 
 # A matmul's operands can each come transposed (A or A^T times B or B^T). A CPU's kernels differ
-# by up to 17x between these layouts in bfloat16 (this project's CI machine: 0.9 GFLOP/s for A @ B,
+# by up to 17x between these layouts in bfloat16 (an AMD EPYC, one thread: 0.9 GFLOP/s for A @ B,
 # 9.5 for A @ B^T, the forward's, 16 for A^T @ B, the weight gradient's), and a training step runs
 # several of them, so a peak taken on one slow layout was exceeded (MFU 199% on a bf16 run).
 LAYOUTS = ((False, False), (False, True), (True, False), (True, True))
