@@ -4,10 +4,12 @@ Each recipe is tuned with every point confirmed (`--top` all): its layouts cross
 given, predicted with a profile measured only by `--calibrate` (no layout's run is used to fit),
 then each point runs `--steps` steps and its steady step time is read as `compare` reads it. Per
 recipe: median and worst |error|, Kendall's tau between predicted and measured order, and how far
-the predicted best is from the measured best; with two recipes or more, the same for each with
-the profile refined (`--calibrate-from`) on the other recipes' runs only. Also the pipeline
-bubble predicted for each schedule of benchmarks/pipeline_bubble.py (its model and batch, 1
-thread per rank), against its recorded measurement.
+the predicted best is from the measured best (order and best by tokens/s: llm_1b's layouts train
+on different global batches, its micro batch fixed, so a shorter step is not a faster layout);
+with two recipes or more, the same for each with the profile refined (`--calibrate-from`) on the
+other recipes' runs only. Also the pipeline bubble predicted for each schedule of
+benchmarks/pipeline_bubble.py (its model and batch, 1 thread per rank), against its recorded
+measurement.
 
     python benchmarks/tune_accuracy.py --profile P.toml             # writes benchmarks/results/
     python benchmarks/tune_accuracy.py --profile P.toml --recipes debug_cpu --only dp8,dp4-tp2 --out /tmp/t
@@ -74,23 +76,27 @@ def accuracy(rows: list[dict]) -> dict:
         [r["label"] for r in measured],
         [r["predicted"]["step_s"] for r in measured],
         [r["measured"]["step_time"] for r in measured],
+        [r["predicted"]["tokens_per_step"] for r in measured],
     )
 
 
-def accuracy_of(labels: list[str], pred: list[float], real: list[float]) -> dict:
+def accuracy_of(labels: list[str], pred: list[float], real: list[float], tokens: list[int]) -> dict:
+    """Errors of the step times; order and best by tokens/s (tokens per step over the step)."""
     errors = [p / m - 1 for p, m in zip(pred, real)]
-    best = pred.index(min(pred)) if pred else None
+    pred_rate, real_rate = ([n / s for n, s in zip(tokens, steps)] for steps in (pred, real))
+    best = pred_rate.index(max(pred_rate)) if pred else None
     return {
         "points": len(labels),
         "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
         "worst_abs_error": max((abs(e) for e in errors), default=None),
-        "kendall_tau": kendall_tau(pred, real),
+        "kendall_tau": kendall_tau(pred_rate, real_rate),
         "predicted_best": labels[best] if pred else None,
-        "measured_best": labels[real.index(min(real))] if real else None,
-        "predicted_best_vs_measured_best": real[best] / min(real) - 1 if pred else None,
+        "measured_best": labels[real_rate.index(max(real_rate))] if real else None,
+        # the predicted best's measured tokens/s against the best measured (-10%: 10% fewer)
+        "predicted_best_vs_measured_best": real_rate[best] / max(real_rate) - 1 if pred else None,
         "rows": [
-            {"label": label, "predicted_s": p, "measured_s": m, "error": e}
-            for label, p, m, e in zip(labels, pred, real, errors)
+            {"label": label, "predicted_s": p, "measured_s": m, "error": e, "tokens_per_step": n}
+            for label, p, m, e, n in zip(labels, pred, real, errors, tokens)
         ],
     }
 
@@ -110,6 +116,7 @@ def cross_refined(profile, folders: dict[str, Path], console: Console) -> dict[s
                 [r.name.split("/")[-1] for r in runs],
                 [r.predict(refined) for r in runs],
                 [r.step_s for r in runs],
+                [r.tokens_per_step for r in runs],
             ),
         }
     return out
@@ -176,7 +183,10 @@ def main() -> None:
                 runs = measured_runs([folder], console)
                 labels = [r.name.split("/")[-1] for r in runs]
                 result[name] = accuracy_of(
-                    labels, [r.predict(profile) for r in runs], [r.step_s for r in runs]
+                    labels,
+                    [r.predict(profile) for r in runs],
+                    [r.step_s for r in runs],
+                    [r.tokens_per_step for r in runs],
                 )
                 continue
             tune(
@@ -206,6 +216,7 @@ def write(result: dict, out: Path) -> None:
         "",
         f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
         f"world {result['world']}, axes {result['axes'] or 'none'}; profile: {result['profile']}.",
+        *([f"Rescored {result['rescored']}"] if "rescored" in result else []),
     ]
     for name in RECIPES:
         if name not in result or not result[name]["points"]:
@@ -215,8 +226,8 @@ def write(result: dict, out: Path) -> None:
             "",
             f"## {name}: {a['points']} points; median |error| {a['median_abs_error']:.1%}, worst "
             f"{a['worst_abs_error']:.1%}, Kendall tau {a['kendall_tau']:.2f}; predicted best "
-            f"{a['predicted_best']} is {a['predicted_best_vs_measured_best']:+.1%} from the measured best "
-            f"{a['measured_best']}",
+            f"{a['predicted_best']} measured {a['predicted_best_vs_measured_best']:+.1%} tokens/s from the "
+            f"measured best {a['measured_best']}",
             "",
             "| point | predicted s | measured s | error |",
             "|---|---|---|---|",
@@ -232,7 +243,8 @@ def write(result: dict, out: Path) -> None:
                 f"### {name} with the profile refined on {', '.join(b['refined_from'])}'s runs "
                 f"(`--calibrate-from`): median |error| {b['median_abs_error']:.1%}, worst "
                 f"{b['worst_abs_error']:.1%}, Kendall tau {b['kendall_tau']:.2f}; predicted best "
-                f"{b['predicted_best']} is {b['predicted_best_vs_measured_best']:+.1%} from the best",
+                f"{b['predicted_best']} measured {b['predicted_best_vs_measured_best']:+.1%} tokens/s "
+                "from the best",
                 "",
                 f"{b['profile']}",
                 "",

@@ -234,6 +234,10 @@ def test_tune_accuracy_benchmark_writes_its_results_and_cross_refines(tmp_path):
         assert refined["refined_from"] == [other] and refined["points"] == 1
         assert "refined by 1 measured runs" in refined["profile"]
         assert refined["rows"][0]["measured_s"] == result[name]["rows"][0]["measured_s"]  # the same run
+    # what the order and the best are judged by (tokens/s): debug_cpu's fixed global batch of 32 x 64
+    # tokens; llm_1b's micro batch of 2 sequences of 128 on each of dp2's ranks
+    tokens = [result[n]["rows"][0]["tokens_per_step"] for n in ("debug_cpu", "llm_1b")]
+    assert tokens == [32 * 64, 2 * 2 * 128]
     text = (tmp_path / "tune_accuracy.md").read_text()
     assert "with the profile refined on llm_1b's runs" in text
 

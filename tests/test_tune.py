@@ -12,6 +12,7 @@ import torch
 from conftest import QUICK, RECIPES, run_cli, slurm_env
 
 from meshforge.core.topology import ParallelDims
+from meshforge.experiments.tune import batch_caveat, rank_predicted
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action
 from meshforge.recipe import load_recipe
@@ -127,7 +128,7 @@ def test_refining_a_profile_recovers_measured_steps():
         "bandwidth": 1.0,
     }
     machine = scaled(profile, truth)
-    runs = [MeasuredRun(n, w, d, 1, predict_step(w, d, 1, machine).step_s) for n, (d, w) in traced.items()]
+    runs = [MeasuredRun(n, w, d, 1, predict_step(w, d, 1, machine).step_s, 1) for n, (d, w) in traced.items()]
     before = [abs(r.predict(profile) / r.step_s - 1) for r in runs]
     factors = fit_factors(runs, profile)
     after = [abs(r.predict(scaled(profile, factors)) / r.step_s - 1) for r in runs]
@@ -223,6 +224,41 @@ def test_a_prediction_prices_flops_bytes_ops_and_links():
     assert p.compute_s == pytest.approx(10) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
 
 
+def test_points_that_train_on_different_batches_are_ranked_by_tokens_per_second():
+    """llm_8b fixes the micro batch, so dp8 x tp2 trains on 8x the tokens of cp2 x tp8 per step:
+    ranked by step time, the slower layout came first (predicted 2,103 vs 4,515 tokens/s/device)."""
+
+    def row(label, step_s, tokens):
+        predicted = {
+            "step_s": step_s,
+            "tokens_per_step": tokens,
+            "tokens_per_sec_per_device": tokens / step_s / 16,
+        }
+        return {"label": label, "status": "planned", "predicted": predicted}
+
+    rows = [
+        row("cp2-tp8", 0.24, 8192),
+        row("dp8-tp2", 0.91, 8 * 8192),
+        row("big", 0.1, 1),
+        row("dp2", 0.6, 16384),
+    ]
+    rows.append({"label": "tp16", "status": "skipped"})
+    assert [r["label"] for r in rank_predicted(rows)] == ["dp8-tp2", "cp2-tp8", "dp2", "big"]
+    assert "1 to 65,536 tokens per step" in batch_caveat(rank_predicted(rows))
+    same = [row("a", 1.0, 4096), row("b", 0.5, 4096)]
+    assert [r["label"] for r in rank_predicted(same)] == ["b", "a"] and batch_caveat(same) is None
+
+
+def test_a_tune_plan_says_when_layouts_change_the_global_batch(tmp_path):
+    """A fixed micro batch (2 sequences of 32 tokens): dp2 trains on twice the tokens of tp2 per step."""
+    batch = ["train.global_batch_size=-1", "train.micro_batch_size=2", "train.grad_accum_steps=1"]
+    args = ["tune", str(RECIPES / "debug_cpu.toml"), "--world", "2", "--plan", "--profile", "h100"]
+    proc = run_cli([*args, *QUICK, *batch], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "highest tokens/s first" in proc.stdout
+    assert "train on 64 to 128 tokens per step" in " ".join(proc.stdout.split()), proc.stdout
+
+
 def test_bad_tune_input_is_refused_naming_it(tmp_path):
     recipe = str(RECIPES / "debug_cpu.toml")
     proc = run_cli(
@@ -307,7 +343,7 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
     planned = [r for r in rows.values() if "predicted" in r]
     assert len(planned) == 5 and all(r["predicted"]["step_s"] > 0 for r in planned)
     assert rows["pp2"]["predicted"]["bubble"] > 0 and rows["dp2"]["predicted"]["bubble"] == 0
-    best = min(planned, key=lambda r: r["predicted"]["step_s"])
+    best = max(planned, key=lambda r: r["predicted"]["tokens_per_sec_per_device"])
     confirmed = {label for label, r in rows.items() if "measured" in r}
     assert confirmed == {best["label"], "dp2"}  # the top 1 and the recipe's own
     jobs = [json.loads(line) for line in (folder / "confirm.jsonl").read_text().splitlines()]
@@ -317,7 +353,7 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
         assert rows[label]["status"] == "finished" and rows[label]["measured"]["step_time"] > 0
         assert f"{label}" in stdout
     assert "predicted vs measured" in stdout and "fastest measured:" in stdout
-    winner = min(confirmed, key=lambda label: rows[label]["measured"]["step_time"])
+    winner = max(confirmed, key=lambda label: rows[label]["measured"]["tokens_per_sec"])
     recipe = load_recipe(str(folder / "tune-best.toml"), [], world_size=2)
     assert ParallelDims.from_config(recipe.mesh).label() == winner
     assert load_profile(out / "profile.toml").calibrated_world == 2

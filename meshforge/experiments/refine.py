@@ -47,6 +47,7 @@ class MeasuredRun:
     dims: ParallelDims
     grad_accum: int
     step_s: float
+    tokens_per_step: int  # the global batch's tokens: what a step time is a rate of
 
     def predict(self, profile: Profile) -> float:
         return predict_step(self.works, self.dims, self.grad_accum, profile).step_s
@@ -100,7 +101,8 @@ def measured_runs(paths: list[Path], console: Console) -> list[MeasuredRun]:
             dims = ParallelDims.from_config(recipe.mesh)
             works = role_works(traces, dims)
             name = f"{run.path.parent.name}/{run.name}"
-            runs.append(MeasuredRun(name, works, dims, recipe.train.grad_accum_steps, step))
+            tokens = recipe.train.global_batch_size * recipe.train.seq_len
+            runs.append(MeasuredRun(name, works, dims, recipe.train.grad_accum_steps, step, tokens))
     if not runs:
         raise UsageError(f"--calibrate-from {' '.join(map(str, paths))}: no finished run with steady steps")
     return runs

@@ -3,7 +3,9 @@
 Every layout x policy point of a recipe (the sweep's grid: sweep.py) is validated and traced
 once on a pool of simulated ranks; the trace gives its peak memory (estimate.py) and its work
 (op_costs.py), which simulate/step_time.py prices with a hardware profile (hardware.py). Points
-that do not fit are dropped, the rest ranked by predicted step time. Then the top k, and the
+that do not fit are dropped, the rest ranked by predicted throughput (tokens/s: a layout can change
+the global batch, micro batch x accumulation x data-parallel degree, so its step time alone does
+not rank it; with a fixed `train.global_batch_size` the order is the step time's). Then the top k, and the
 recipe's own point, run for a few steps as sweep points do, and the table shows predicted next
 to measured. `tune.jsonl` keeps every row, `tune-best.toml` is the recipe with the winner's
 overrides, and W&B gets the table (offline without a key). `--plan` stops after the prediction.
@@ -90,6 +92,8 @@ def tune(
         rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]
     ranked = rank_predicted(rows)
     console.print(predicted_table(ranked, profile, limit))
+    if line := batch_caveat(ranked):
+        console.print(line, highlight=False)
     for r in rows:
         if r["status"] in ("refused", "skipped"):
             console.print(f"  {r['label']}: {r['status']}: {r['error']}", highlight=False)
@@ -177,7 +181,12 @@ def _predict(row: dict, recipe, traces, profile: Profile, limit: float | None) -
     row.update(
         status="planned",
         estimate_gib=round(peak["total"] / GiB, 3),
-        predicted={**p.as_dict(), "tokens_per_sec_per_device": round(per_device, 1), "mfu": mfu},
+        predicted={
+            **p.as_dict(),
+            "tokens_per_step": tokens,
+            "tokens_per_sec_per_device": round(per_device, 1),
+            "mfu": mfu,
+        },
     )
     if limit is not None and peak["total"] > limit * GiB:
         row.update(status="skipped", error=f"estimate {row['estimate_gib']} GiB > {limit} GiB")
@@ -185,13 +194,27 @@ def _predict(row: dict, recipe, traces, profile: Profile, limit: float | None) -
 
 
 def rank_predicted(rows: list[dict]) -> list[dict]:
-    """Points that fit, fastest predicted first."""
-    return sorted((r for r in rows if r["status"] == "planned"), key=lambda r: r["predicted"]["step_s"])
+    """Points that fit, highest predicted tokens/s first (every point runs on the same world)."""
+    planned = (r for r in rows if r["status"] == "planned")
+    return sorted(planned, key=lambda r: -r["predicted"]["tokens_per_sec_per_device"])
+
+
+def batch_caveat(ranked: list[dict]) -> str | None:
+    """A line when the points train on different global batches: then a shorter step is not a
+    faster layout, and the table's order (tokens/s) differs from its step column's."""
+    sizes = {r["predicted"]["tokens_per_step"] for r in ranked}
+    if len(sizes) < 2:
+        return None
+    return (
+        f"the points train on {min(sizes):,} to {max(sizes):,} tokens per step (train.micro_batch_size x "
+        "grad_accum_steps x the data-parallel degree): ranked by tokens/s, not step time; set "
+        "train.global_batch_size to hold the batch fixed across layouts"
+    )
 
 
 def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> Table:
     fits = f"fits in {limit} GiB" if limit else "fit not judged (no device memory)"
-    table = Table(title=f"tune: predicted on {profile.name}, fastest first ({fits})")
+    table = Table(title=f"tune: predicted on {profile.name}, highest tokens/s first ({fits})")
     for col in ("#", "point", "step s", "tokens/s/device", "MFU", "peak GiB", "bubble", "comm share"):
         table.add_column(col, justify="left" if col == "point" else "right")
     for i, r in enumerate(rows, 1):
@@ -239,19 +262,18 @@ def confirmed_table(rows: list[dict], own: str) -> Table:
 
 
 def _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console) -> None:
-    """The fastest measured point: its overrides, its speedup over the recipe's own point, and
+    """The fastest measured point (most tokens/s), its speedup over the recipe's own point, and
     the recipe with its overrides written out."""
     finished = [r for r in chosen if r["status"] == "finished"]
     if not finished:
         console.print("no confirmed point finished: nothing to recommend", highlight=False)
         return
-    best = min(finished, key=lambda r: r["measured"]["step_time"])
+    best = max(finished, key=lambda r: r["measured"]["tokens_per_sec"])
     line = f"fastest measured: [bold]{best['label']}[/] ({best['measured']['tokens_per_sec']:,.0f} tokens/s)"
     mine = next((r for r in finished if r["label"] == own), None)
     if mine and mine is not best:
-        line += (
-            f", {mine['measured']['step_time'] / best['measured']['step_time']:.2f}x the recipe's own ({own})"
-        )
+        speedup = best["measured"]["tokens_per_sec"] / mine["measured"]["tokens_per_sec"]
+        line += f", {speedup:.2f}x the tokens/s of the recipe's own ({own})"
     out = tune_dir / "tune-best.toml"
     recipe = load_recipe(recipe_path, [*overrides, *best["overrides"]], world_size=world)
     out.write_text(f"# meshforge tune: {best['label']}, from {recipe_path}\n" + recipe_to_toml(recipe))
