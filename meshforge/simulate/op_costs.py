@@ -56,8 +56,12 @@ COLLECTIVES = {
 # backward); DTensor's (TP, CP, EP: functional collectives) sit on the critical path
 OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_}
 
-# ops that move no data: metadata, views, fresh (uninitialised) buffers, waiting for a collective
+# ops that move no data: metadata, views, fresh (uninitialised) buffers, waiting for a collective.
+# `tensor.device` reaches a dispatch mode as prim.device on a fake tensor (autograd and checkpointing
+# ask it: ~70% of a traced step's local dispatches) but is an attribute read on a real one: counted
+# as an op moving its tensor, it tripled a trace's op count and inflated its bytes ~2.5x.
 FREE = {
+    torch.ops.prim.device,
     aten.empty,
     aten.empty_strided,
     aten.empty_like,
@@ -96,13 +100,15 @@ class CostRecorder(TorchDispatchMode):
         super().__init__()
         self.phase = phase
         self.phases: dict[str, PhaseCost] = defaultdict(PhaseCost)
+        self.repeat = 1  # each op counted this many times (one of several like parameters stepped)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_leaves((args, kwargs))
         cost = self.phases[self.phase() or "setup"]
+        n = self.repeat
         if any(isinstance(t, DTensor) for t in leaves):
-            cost.dtensor_ops += 1
+            cost.dtensor_ops += n
             return NotImplemented  # DTensor runs it; its local ops come back here
         out = func(*args, **kwargs)
         packet = func._overloadpacket
@@ -111,17 +117,17 @@ class CostRecorder(TorchDispatchMode):
             sized = out if index == -1 else args[index]
             sized = sized[0] if isinstance(sized, list | tuple) else sized
             group = _group_ranks(_group_arg(func, args, kwargs))
-            cost.collectives[(kind, _nbytes(sized), group, packet in OVERLAPPED)] += 1
+            cost.collectives[(kind, _nbytes(sized), group, packet in OVERLAPPED)] += n
         elif func.is_view or packet in FREE or not any(isinstance(t, torch.Tensor) for t in leaves):
             pass
         elif packet in flop_registry or packet in _CPU_ATTENTION:
             formula = _CPU_ATTENTION.get(packet) or flop_registry[packet]
-            cost.flops[str(args[0].dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
-            cost.ops += 1
+            cost.flops[str(args[0].dtype).removeprefix("torch.")] += n * formula(*args, **kwargs, out_val=out)
+            cost.ops += n
         else:
             moved = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            cost.memory_bytes += sum(_nbytes(t) for t in moved)
-            cost.ops += 1
+            cost.memory_bytes += n * sum(_nbytes(t) for t in moved)
+            cost.ops += n
         return out
 
     def result(self) -> dict[str, dict]:

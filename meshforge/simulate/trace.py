@@ -67,7 +67,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
             tracker.phase = "optimizer"
             for opt in optimizers:
-                opt.step()
+                _step_once_per_shape(opt, recorder if work else None)
                 opt.zero_grad(set_to_none=True)
         on_device = (lambda c: off_the_device(c, offloaded)) if recipe.fsdp.cpu_offload else dict
         phases = {p: on_device(c) for p, c in phase_peak_categories(tracker).items()}
@@ -92,6 +92,34 @@ def trace_depths(recipes: list[Recipe], rank: int, work: bool = True) -> list[di
         forget_cached_tensors()  # one cached by the last trace would go uncounted in this one
         traces.append(trace_rank(recipe, rank, work))
     return traces
+
+
+def _step_once_per_shape(opt: torch.optim.Optimizer, recorder: CostRecorder | None) -> None:
+    """The optimizer step on one parameter of each distinct shape and sharding, its work counted
+    once per parameter like it. The traced (for-loop) AdamW frees each parameter's temporaries
+    before the next one's, so the phase's peak is the largest parameter's either way; stepping
+    every parameter cost ~12% of a trace (llm_8b, 8 blocks, FSDP x TP)."""
+    saved = [group["params"] for group in opt.param_groups]
+    alike: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for i, params in enumerate(saved):
+        for p in params:
+            if p.grad is not None:  # AdamW skips the others
+                local = p.to_local() if isinstance(p, DTensor) else p
+                key = (i, p.shape, p.dtype, local.shape, local.stride(), getattr(p, "placements", None))
+                alike.setdefault(key, []).append((i, p))
+    try:
+        for same in alike.values():
+            group, p = same[0]
+            for j, g in enumerate(opt.param_groups):
+                g["params"] = [p] if j == group else []
+            if recorder is not None:
+                recorder.repeat = len(same)
+            opt.step()
+    finally:
+        for g, params in zip(opt.param_groups, saved):
+            g["params"] = params
+        if recorder is not None:
+            recorder.repeat = 1
 
 
 def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
