@@ -105,7 +105,8 @@ def _step_once_per_shape(opt: torch.optim.Optimizer, recorder: CostRecorder | No
         for p in params:
             if p.grad is not None:  # AdamW skips the others
                 local = p.to_local() if isinstance(p, DTensor) else p
-                key = (i, p.shape, p.dtype, local.shape, local.stride(), getattr(p, "placements", None))
+                sharding = (getattr(p, "device_mesh", None), getattr(p, "placements", None))
+                key = (i, p.shape, p.dtype, local.shape, local.stride(), sharding)
                 alike.setdefault(key, []).append((i, p))
     try:
         for same in alike.values():
