@@ -216,7 +216,6 @@ def write(result: dict, out: Path) -> None:
         "",
         f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
         f"world {result['world']}, axes {result['axes'] or 'none'}; profile: {result['profile']}.",
-        *([f"Rescored {result['rescored']}"] if "rescored" in result else []),
     ]
     for name in RECIPES:
         if name not in result or not result[name]["points"]:

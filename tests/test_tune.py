@@ -17,13 +17,15 @@ from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action
 from meshforge.recipe import load_recipe
 from meshforge.run.observe import wandb_files as wf
+from meshforge.run.observe.memtrace import make_tracker, peak_categories
+from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import cross_entropy_sum
 from meshforge.simulate.estimate import Extrapolated, submit_trace, trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile
 from meshforge.simulate.op_costs import CostRecorder
 from meshforge.simulate.schedule import recipe_schedule_order
 from meshforge.simulate.step_time import Action, predict_step, simulate_timed
-from meshforge.simulate.trace import trace_rank
+from meshforge.simulate.trace import _allocate_moments, _step_once_per_shape, trace_rank
 
 ONE = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "train.global_batch_size=4"]
 LAYOUTS = {"one": [], "tp2": ["mesh.tp=2"], "fsdp2": ["mesh.dp_shard=2", "train.global_batch_size=8"]}
@@ -85,6 +87,29 @@ def test_the_trace_counts_the_ops_and_bytes_a_real_step_dispatches(works):
         assert real[phase]["ops"] == traced[phase]["ops"], phase
         assert real[phase]["flops"] == traced[phase]["flops"], phase
         assert real[phase]["memory_bytes"] == pytest.approx(traced[phase]["memory_bytes"], rel=1e-6), phase
+
+
+def test_the_traced_optimizer_step_once_per_shape_costs_and_peaks_as_every_parameter():
+    """The trace steps one parameter of each shape (trace._step_once_per_shape): the same work and
+    the same peak by category as stepping every one, where the previous parameter's `denom` is
+    still alive beside the next one's temporaries (w2 after w1: its peak is w1 + 2 x w2)."""
+    recipe = debug()
+
+    def step(once: bool):
+        torch.manual_seed(0)
+        model = get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt = build_optimizer(model.parameters(), recipe.optimizer, implementation="for-loop")
+        _allocate_moments([opt])
+        recorder = CostRecorder(lambda: "optimizer")
+        with make_tracker([model], [opt]) as tracker, recorder:
+            _step_once_per_shape(opt, recorder) if once else opt.step()
+        return recorder.result()["optimizer"], peak_categories(tracker)
+
+    (once, once_peak), (every, every_peak) = step(True), step(False)
+    assert once == every and once_peak == every_peak
+    assert once["ops"] > 0 and every_peak["optimizer"] > 0
 
 
 def test_fsdp_traffic_is_the_parameters_once_each_way(works):
@@ -364,7 +389,7 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
     folder = out / "tune-debug_cpu-w2"
     rows = {r["label"]: r for r in map(json.loads, (folder / "tune.jsonl").read_text().splitlines())}
     assert set(rows) == {"dprep2", "dp2", "cp2", "tp2", "pp2"}  # every layout of 2 ranks
-    planned = [r for r in rows.values() if "predicted" in r]
+    planned = [r for r in rows.values() if r["status"] != "skipped" and "predicted" in r]
     assert len(planned) == 5 and all(r["predicted"]["step_s"] > 0 for r in planned)
     assert rows["pp2"]["predicted"]["bubble"] > 0 and rows["dp2"]["predicted"]["bubble"] == 0
     best = max(planned, key=lambda r: r["predicted"]["tokens_per_sec_per_device"])

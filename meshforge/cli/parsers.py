@@ -134,8 +134,8 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     tun = _recipe_items(
         add(
             "tune",
-            "predict every layout's step time before launching, rank those that fit, confirm the "
-            "top ones by short runs (--calibrate: measure this machine's profile first)",
+            "predict every layout's step time before launching, rank those that fit by tokens/s, "
+            "confirm the top ones by short runs (--calibrate: measure this machine's profile first)",
         ),
         nproc=False,
     )

@@ -33,7 +33,8 @@ FACTORS = ("matmul", "memory", "op_host", "dtensor_host", "latency", "bandwidth"
 # residual per unit of log(factor): a 2x factor weighs as a 7% miss on one run, so a constant moves
 # only as far as the runs ask. Chosen by fitting one recipe's runs and predicting the other's
 # (benchmarks/tune_accuracy.py's two recipes, 8 ranks here): median cross error 20% and 34% at
-# 0.1, 36% and 24% at 0.25, 22% and 60% at 0.05, 45% and 50% at 0.5
+# 0.1, 36% and 24% at 0.25, 22% and 60% at 0.05, 45% and 50% at 0.5 (measured when traces counted
+# `tensor.device` as ops; at 0.1 on today's counts: 9% and 15%, not compared again)
 PULL = 0.1
 LIMIT = math.log(10.0)  # no constant moves more than 10x either way
 

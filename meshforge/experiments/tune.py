@@ -195,8 +195,12 @@ def _predict(row: dict, recipe, traces, profile: Profile, limit: float | None) -
 
 def rank_predicted(rows: list[dict]) -> list[dict]:
     """Points that fit, highest predicted tokens/s first (every point runs on the same world)."""
-    planned = (r for r in rows if r["status"] == "planned")
-    return sorted(planned, key=lambda r: -r["predicted"]["tokens_per_sec_per_device"])
+
+    def rate(r: dict) -> tuple[float, float]:
+        p = r["predicted"]
+        return (-p["tokens_per_step"] / p["step_s"] if p["step_s"] > 0 else -float("inf"), p["step_s"])
+
+    return sorted((r for r in rows if r["status"] == "planned"), key=rate)
 
 
 def batch_caveat(ranked: list[dict]) -> str | None:
@@ -206,9 +210,9 @@ def batch_caveat(ranked: list[dict]) -> str | None:
     if len(sizes) < 2:
         return None
     return (
-        f"the points train on {min(sizes):,} to {max(sizes):,} tokens per step (train.micro_batch_size x "
-        "grad_accum_steps x the data-parallel degree): ranked by tokens/s, not step time; set "
-        "train.global_batch_size to hold the batch fixed across layouts"
+        f"the points train on {min(sizes):,} to {max(sizes):,} tokens per step (e.g. "
+        "train.micro_batch_size x grad_accum_steps x the data-parallel degree): ranked by tokens/s, "
+        "not step time; set train.global_batch_size to hold the batch fixed across layouts"
     )
 
 
@@ -236,6 +240,7 @@ def _flat(r: dict) -> dict:
     m = r.get("measured") or {}
     return {
         "predicted_step_s": r["predicted"]["step_s"],
+        "predicted_tokens_per_sec_per_device": r["predicted"]["tokens_per_sec_per_device"],
         "measured_step_s": m.get("step_time"),
         "error": m["step_time"] and r["predicted"]["step_s"] / m["step_time"] - 1
         if m.get("step_time")
@@ -271,7 +276,7 @@ def _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console) 
     best = max(finished, key=lambda r: r["measured"]["tokens_per_sec"])
     line = f"fastest measured: [bold]{best['label']}[/] ({best['measured']['tokens_per_sec']:,.0f} tokens/s)"
     mine = next((r for r in finished if r["label"] == own), None)
-    if mine and mine is not best:
+    if mine and mine is not best and mine["measured"]["tokens_per_sec"]:
         speedup = best["measured"]["tokens_per_sec"] / mine["measured"]["tokens_per_sec"]
         line += f", {speedup:.2f}x the tokens/s of the recipe's own ({own})"
     out = tune_dir / "tune-best.toml"

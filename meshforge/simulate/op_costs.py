@@ -58,8 +58,9 @@ OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_
 
 # ops that move no data: metadata, views, fresh (uninitialised) buffers, waiting for a collective.
 # `tensor.device` reaches a dispatch mode as prim.device on a fake tensor (autograd and checkpointing
-# ask it: ~70% of a traced step's local dispatches) but is an attribute read on a real one: counted
+# ask it: most of a traced step's local dispatches) but is an attribute read on a real one: counted
 # as an op moving its tensor, it made a trace's op count ~3.6x and its bytes ~2.5x the real step's.
+DEVICE = torch.ops.prim.device.default
 FREE = {
     torch.ops.prim.device,
     aten.empty,
@@ -104,6 +105,8 @@ class CostRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is DEVICE:  # the commonest dispatch of a trace, and free: no search of its arguments
+            return func(*args, **kwargs)
         leaves = tree_leaves((args, kwargs))
         cost = self.phases[self.phase() or "setup"]
         n = self.repeat

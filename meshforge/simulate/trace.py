@@ -96,31 +96,56 @@ def trace_depths(recipes: list[Recipe], rank: int, work: bool = True) -> list[di
 
 def _step_once_per_shape(opt: torch.optim.Optimizer, recorder: CostRecorder | None) -> None:
     """The optimizer step on one parameter of each distinct shape and sharding, its work counted
-    once per parameter like it. The traced (for-loop) AdamW frees each parameter's temporaries
-    before the next one's, so the phase's peak is the largest parameter's either way; stepping
-    every parameter cost ~12% of a trace (llm_8b, 8 blocks, FSDP x TP)."""
+    once per parameter like it: stepping every parameter was ~12% of a trace's time (llm_8b, 8
+    blocks, FSDP x TP). The memory is the full step's: the traced (for-loop) AdamW frees each
+    parameter's temporaries by the next one's, except its `denom`, alive until the next
+    parameter's is computed, so each representative steps beside a buffer the size of the largest
+    parameter stepped just before one like it (made in the step, so labelled as its state is)."""
     saved = [group["params"] for group in opt.param_groups]
-    alike: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-    for i, params in enumerate(saved):
-        for p in params:
-            if p.grad is not None:  # AdamW skips the others
+    alike: dict[tuple, list[torch.Tensor]] = {}
+    before: dict[tuple, torch.Tensor] = {}  # key -> the largest local tensor stepped just before one
+    with torch.no_grad():
+        for i, params in enumerate(saved):
+            previous = None
+            for p in (p for p in params if p.grad is not None):  # AdamW skips the others
                 local = p.to_local() if isinstance(p, DTensor) else p
-                sharding = (getattr(p, "device_mesh", None), getattr(p, "placements", None))
-                key = (i, p.shape, p.dtype, local.shape, local.stride(), sharding)
-                alike.setdefault(key, []).append((i, p))
+                sharding = [
+                    (getattr(t, "device_mesh", None), getattr(t, "placements", None)) for t in (p, p.grad)
+                ]
+                key = (i, p.shape, p.dtype, p.grad.dtype, local.shape, local.stride(), *sharding)
+                alike.setdefault(key, []).append(p)
+                if previous is not None and (key not in before or _nbytes(previous) > _nbytes(before[key])):
+                    before[key] = previous
+                previous = local
+    held = {}
+
+    def hold(*_) -> None:
+        if held["key"] in before:
+            held["buffer"] = torch.empty_like(before[held["key"]])
+
+    hooks = [
+        opt.register_step_pre_hook(hold),
+        opt.register_step_post_hook(lambda *_: held.pop("buffer", None)),
+    ]
     try:
-        for same in alike.values():
-            group, p = same[0]
+        for key, same in alike.items():
             for j, g in enumerate(opt.param_groups):
-                g["params"] = [p] if j == group else []
+                g["params"] = [same[0]] if j == key[0] else []
+            held["key"] = key
             if recorder is not None:
                 recorder.repeat = len(same)
             opt.step()
     finally:
+        for hook in hooks:
+            hook.remove()
         for g, params in zip(opt.param_groups, saved):
             g["params"] = params
         if recorder is not None:
             recorder.repeat = 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
