@@ -56,13 +56,13 @@ COLLECTIVES = {
 # backward); DTensor's (TP, CP, EP: functional collectives) sit on the critical path
 OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_}
 
-# ops that move no data: metadata, views, fresh (uninitialised) buffers, waiting for a collective.
 # `tensor.device` reaches a dispatch mode as prim.device on a fake tensor (autograd and checkpointing
 # ask it: most of a traced step's local dispatches) but is an attribute read on a real one: counted
 # as an op moving its tensor, it made a trace's op count ~3.6x and its bytes ~2.5x the real step's.
+# The recorder passes it on first, uncounted.
 DEVICE = torch.ops.prim.device.default
+# ops that move no data: metadata, views, fresh (uninitialised) buffers, waiting for a collective
 FREE = {
-    torch.ops.prim.device,
     aten.empty,
     aten.empty_strided,
     aten.empty_like,
@@ -120,7 +120,7 @@ class CostRecorder(TorchDispatchMode):
             sized = out if index == -1 else args[index]
             sized = sized[0] if isinstance(sized, list | tuple) else sized
             group = _group_ranks(_group_arg(func, args, kwargs))
-            cost.collectives[(kind, _nbytes(sized), group, packet in OVERLAPPED)] += n
+            cost.collectives[(kind, tensor_bytes(sized), group, packet in OVERLAPPED)] += n
         elif func.is_view or packet in FREE or not any(isinstance(t, torch.Tensor) for t in leaves):
             pass
         elif packet in flop_registry or packet in _CPU_ATTENTION:
@@ -129,7 +129,7 @@ class CostRecorder(TorchDispatchMode):
             cost.ops += n
         else:
             moved = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            cost.memory_bytes += n * sum(_nbytes(t) for t in moved)
+            cost.memory_bytes += n * sum(tensor_bytes(t) for t in moved)
             cost.ops += n
         return out
 
@@ -137,7 +137,8 @@ class CostRecorder(TorchDispatchMode):
         return {phase: cost.as_dict() for phase, cost in self.phases.items()}
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor's elements take (its local shard's, for a DTensor's local tensor)."""
     return t.numel() * t.element_size()
 
 

@@ -23,7 +23,7 @@ from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_catego
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, cross_entropy_sum
 from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank
-from meshforge.simulate.op_costs import CostRecorder
+from meshforge.simulate.op_costs import CostRecorder, tensor_bytes
 
 
 def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
@@ -114,7 +114,9 @@ def _step_once_per_shape(opt: torch.optim.Optimizer, recorder: CostRecorder | No
                 ]
                 key = (i, p.shape, p.dtype, p.grad.dtype, local.shape, local.stride(), *sharding)
                 alike.setdefault(key, []).append(p)
-                if previous is not None and (key not in before or _nbytes(previous) > _nbytes(before[key])):
+                if previous is not None and (
+                    key not in before or tensor_bytes(previous) > tensor_bytes(before[key])
+                ):
                     before[key] = previous
                 previous = local
     held = {}
@@ -144,18 +146,12 @@ def _step_once_per_shape(opt: torch.optim.Optimizer, recorder: CostRecorder | No
             recorder.repeat = 1
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
     """This rank's sharded parameters, their gradients (each its parameter's size) and optimizer
     state, in bytes: what FSDP's CPU offload keeps on the host."""
 
     def local_bytes(tensors) -> int:
-        return sum(
-            (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
-        )
+        return sum(tensor_bytes(t.to_local() if isinstance(t, DTensor) else t) for t in tensors)
 
     params = local_bytes(p for part in parts for p in part.parameters())
     moments = local_bytes(
