@@ -210,6 +210,23 @@ def main() -> None:
     write({**result, **provenance()}, Path(args.out))
 
 
+def point_table(rows: list[dict]) -> list[str]:
+    """The points in the order they are judged by: measured tokens/s, highest first."""
+
+    def tokens_per_s(r: dict) -> float:
+        return r["tokens_per_step"] / r["measured_s"]
+
+    return [
+        "| point | measured tokens/s | predicted s | measured s | error |",
+        "|---|---|---|---|---|",
+        *[
+            f"| {r['label']} | {tokens_per_s(r):,.0f} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | "
+            f"{r['error']:+.1%} |"
+            for r in sorted(rows, key=tokens_per_s, reverse=True)
+        ],
+    ]
+
+
 def write(result: dict, out: Path) -> None:
     lines = [
         "# Step-time prediction vs measurement (`meshforge tune`)",
@@ -228,12 +245,7 @@ def write(result: dict, out: Path) -> None:
             f"{a['predicted_best']} measured {a['predicted_best_vs_measured_best']:+.1%} tokens/s from the "
             f"measured best {a['measured_best']}",
             "",
-            "| point | predicted s | measured s | error |",
-            "|---|---|---|---|",
-            *[
-                f"| {r['label']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['error']:+.1%} |"
-                for r in sorted(a["rows"], key=lambda r: r["measured_s"])
-            ],
+            *point_table(a["rows"]),
         ]
         if "refined" in a:
             b = a["refined"]
@@ -247,12 +259,7 @@ def write(result: dict, out: Path) -> None:
                 "",
                 f"{b['profile']}",
                 "",
-                "| point | predicted s | measured s | error |",
-                "|---|---|---|---|",
-                *[
-                    f"| {r['label']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['error']:+.1%} |"
-                    for r in sorted(b["rows"], key=lambda r: r["measured_s"])
-                ],
+                *point_table(b["rows"]),
             ]
     if "bubbles" in result:
         lines += ["", "## Pipeline bubble (pipeline_bubble.py's model and batch)", ""]

@@ -1,14 +1,14 @@
 """Hardware profiles (simulate/hardware.py): the shipped files, the TOML schema, collective
-pricing, and one real calibration of this machine (simulate/calibrate.py)."""
+pricing, and the calibration's fit (a real calibration of this machine runs in test_tune.py's
+tune fixture)."""
 
 from __future__ import annotations
 
 import pytest
-from rich.console import Console
 
 from meshforge.core.errors import RecipeError, UsageError
 from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
-from meshforge.simulate.calibrate import calibrate, fit_link
+from meshforge.simulate.calibrate import fit_link
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -112,18 +112,3 @@ def test_fit_recovers_a_known_link():
     link, error = fit_link(4, timings)
     assert link.latency_s == pytest.approx(truth.latency_s) and link.bandwidth_Bps == pytest.approx(2e9)
     assert error == pytest.approx(0, abs=1e-9)
-
-
-@pytest.mark.slow  # multi-process: a rank server and 3 ranks, 7 s here (more on busy cores)
-def test_calibrate_measures_plausible_numbers(tmp_path):
-    out = tmp_path / "here.toml"
-    profile = calibrate(world=2, threads_per_rank=1, out=out, console=Console(width=160))
-    assert load_profile(str(out)) == profile
-    assert 1e8 < profile.matmul_rate("float32") < 1e13 and profile.matmul_rate("bfloat16") > 0
-    assert profile.memory_Bps > 0
-    assert list(profile.links) == [2] and profile.calibrated_world == 2 and profile.shared_cores >= 1
-    link = profile.link(2, False)
-    assert 0 <= link.latency_s < 0.1 and link.bandwidth_Bps > 0
-    assert profile.collective_time("all_gather", 4 * MIB, 2) > profile.collective_time(
-        "all_gather", 4 * KIB, 2
-    )

@@ -21,7 +21,7 @@ from meshforge.run.observe.memtrace import make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import cross_entropy_sum
 from meshforge.simulate.estimate import Extrapolated, submit_trace, trace_pool
-from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile
+from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.op_costs import CostRecorder
 from meshforge.simulate.schedule import recipe_schedule_order
 from meshforge.simulate.step_time import Action, predict_step, simulate_timed
@@ -408,6 +408,25 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
     assert load_profile(out / "profile.toml").calibrated_world == 2
     (table_run,) = wf.run_files(folder)  # the predicted-vs-measured table, as W&B wrote it offline
     assert wf.run_record(table_run).job_type == "tune-summary"
+
+
+@pytest.mark.slow
+def test_the_tunes_calibration_measured_plausible_numbers(tuned, tmp_path):
+    """The profile `--calibrate` measured for the tune (2 ranks, one thread each): rates in range, one
+    link per group size, a collective dearer for more bytes, and the file round-trips."""
+    out, stdout = tuned
+    profile = load_profile(out / "profile.toml")
+    assert 1e8 < profile.matmul_rate("float32") < 1e13 and profile.matmul_rate("bfloat16") > 0
+    assert profile.memory_Bps > 0 and profile.op_overhead_s > 0
+    assert list(profile.links) == [2] and profile.calibrated_world == 2 and profile.shared_cores >= 1
+    link = profile.link(2, False)
+    assert 0 <= link.latency_s < 0.1 and link.bandwidth_Bps > 0
+    assert profile.collective_time("all_gather", 4 << 20, 2) > profile.collective_time(
+        "all_gather", 4 << 10, 2
+    )
+    save_profile(profile, tmp_path / "again.toml")
+    assert load_profile(tmp_path / "again.toml") == profile
+    assert "hardware profile" in stdout and "calibrated in" in stdout  # its summary, on the terminal
 
 
 @pytest.mark.slow
