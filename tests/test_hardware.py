@@ -61,7 +61,16 @@ def test_a_missing_profile_names_the_shipped_ones():
 
 
 def test_save_and_load_round_trip(tmp_path):
-    for profile in (load_profile("h200"), small_profile(shared_cores=2, calibrated_world=8)):
+    calibrated = small_profile(  # every field --calibrate writes, per-kind links among them
+        shared_cores=2,
+        calibrated_world=8,
+        threads_per_rank=2,
+        op_overhead_s=12e-6,
+        dtensor_op_overhead_s=40e-6,
+        peak_flops={"float32": 2e11},
+        kind_links={"reduce_scatter": {2: Link(20e-6, 5e8), 8: Link(90e-6, 4e8)}},
+    )
+    for profile in (load_profile("h200"), calibrated):
         path = tmp_path / f"{profile.name}.toml"
         save_profile(profile, path)
         assert load_profile(str(path)) == profile

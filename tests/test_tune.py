@@ -412,8 +412,8 @@ def test_tune_predicts_confirms_and_writes_the_winner(tuned):
 
 @pytest.mark.slow
 def test_the_tunes_calibration_measured_plausible_numbers(tuned, tmp_path):
-    """The profile `--calibrate` measured for the tune (2 ranks, one thread each): rates in range, one
-    link per group size, a collective dearer for more bytes, and the file round-trips."""
+    """The profile `--calibrate` measured for the tune (2 ranks, the cores split between them): rates
+    in range, one link per group size, a collective dearer for more bytes, and the file round-trips."""
     out, stdout = tuned
     profile = load_profile(out / "profile.toml")
     assert 1e8 < profile.matmul_rate("float32") < 1e13 and profile.matmul_rate("bfloat16") > 0
