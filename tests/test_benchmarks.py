@@ -146,6 +146,22 @@ def test_estimator_accuracy_benchmark_writes_its_results(tmp_path):
     assert "| 1 | single |" in (tmp_path / "estimator_accuracy.md").read_text()
 
 
+def test_plan_speed_benchmark_times_the_command_as_a_user_runs_it(tmp_path):
+    """The smoke case: the real `meshforge estimate` in a new interpreter, its wall time recorded."""
+    proc = run_benchmark(
+        "plan_speed.py", ["--cases", "smoke", "--rounds", "1", "--out", str(tmp_path)], tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "plan_speed.json").read_text())
+    row = result["cases"]["smoke"]
+    assert row["command"] == "meshforge estimate recipes/debug_cpu.toml --world 2 --all-meshes"
+    assert len(row["seconds"]) == 1 and 1 < row["median_s"] == row["worst_s"] < 300
+    assert row["met"] is None and result["met"] is True  # the smoke case has no target
+    assert f"| `{row['command']}` | {row['median_s']:.1f} |" in (tmp_path / "plan_speed.md").read_text()
+    bad = run_benchmark("plan_speed.py", ["--cases", "nope", "--out", str(tmp_path)], tmp_path, timeout=60)
+    assert bad.returncode == 2 and "--cases: unknown ['nope']" in bad.stderr
+
+
 @pytest.mark.slow
 def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
     proc = run_benchmark(
