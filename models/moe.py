@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
+
+from meshforge.core.tensors import local_tensor
 
 LOAD_BALANCE = ("aux_loss", "aux_free")  # aux_free: DeepSeek-V3's bias, no loss term
 _counted = [True]  # False while a forward is not a step's (a pipeline stage's shape inference)
@@ -79,11 +80,6 @@ def balanced(rows: int, parts: int) -> list[int]:
     return [share + (i < extra) for i in range(parts)]
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """An expert weight as this rank holds it (a DTensor on the ep mesh: its experts)."""
-    return w.to_local() if isinstance(w, DTensor) else w
-
-
 def grouped_mm_runs(x: torch.Tensor) -> bool:
     """Where torch 2.13 has a grouped matmul for `x`: on CPU in any float dtype, on CUDA in bfloat16
     (its kernel's only dtype; its meta function, which fake tensors run, says so too)."""
@@ -107,7 +103,8 @@ class GroupedExperts(nn.Module):
         """x (N, D) sorted by local expert, `counts` (E_local,) tokens per local expert -> (N, D)."""
         if _step_forward():
             self.rows += x.shape[0]  # the rows computed (the step's check that none was dropped)
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        # this rank's experts: on an ep mesh the weights are DTensors sharded by expert
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm and grouped_mm_runs(x):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshforge.configs.schema import PPConfig
+from meshforge.core.tensors import local_tensor
 from meshforge.core.topology import MESH_DIMS
 
 from .pp import stage_ids_for_rank
@@ -59,7 +60,7 @@ class TiedAcrossStages:
         for p in params:  # the embedding's TP gradient comes back replicated: take the param's shard
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        grads = [_local(p.grad) for p in params]
+        grads = [local_tensor(p.grad) for p in params]
         if not grads:
             return
         if len(grads) == 2:  # both stages on this rank (a V schedule)
@@ -71,10 +72,6 @@ class TiedAcrossStages:
         dist.all_reduce(staged, group=self.group)
         if staged is not g:
             g.copy_(staged)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def tie_across_stages(

@@ -56,19 +56,22 @@ def run_cli(
     program: str = "run_recipe",
     fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `run_recipe ARGS` (or `meshforge ARGS`) from `cwd`: the installed script's entry point
-    with these arguments, environment and output files, in a process forked from the session's
-    rank server (a new interpreter spends 3 to 5 s importing torch and meshforge here). Its stdin
-    is empty and its imports were made by the server. `fresh`, or an environment that changes a
-    variable outside READ_WHILE_RUNNING, runs the script in a new interpreter, as a user starts it:
-    the tests of the terminal, of the README's commands as written and of PYTHONPATH hooks."""
+    """Run `run_recipe ARGS` (or `meshforge ARGS`, or `python SCRIPT.py ARGS` for a program that is
+    a `.py` path) from `cwd`: the installed script's entry point (or the script) with these
+    arguments, environment and output files, in a process forked from the session's rank server (a
+    new interpreter spends 3 to 5 s importing torch and meshforge here). Its stdin is empty and its
+    imports were made by the server. `fresh`, or an environment that changes a variable outside
+    READ_WHILE_RUNNING, runs the script in a new interpreter, as a user starts it: the tests of the
+    terminal, of the README's commands as written and of PYTHONPATH hooks."""
     default = cli_env()
     env = env or default
     changed = {k for k in {*env, *default} if env.get(k) != default.get(k)}
-    exe = Path(sys.executable).parent / program
+    script = program.endswith(".py")
+    exe = Path(program) if script else Path(sys.executable).parent / program
     if fresh or not all(k.startswith(READ_WHILE_RUNNING) for k in changed):
+        command = [sys.executable, str(exe)] if script else [str(exe)]
         return subprocess.run(
-            [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+            [*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
     from forked_program import run_program
 

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO, cli_env
+from conftest import REPO, run_cli
 
 
 def run_benchmark(script: str, args: list[str], cwd, timeout: int) -> subprocess.CompletedProcess:
-    """`python benchmarks/SCRIPT ARGS` as a user runs it, from `cwd`."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), *args],
-        cwd=cwd,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python benchmarks/SCRIPT ARGS` from `cwd`, as the script runs it (as __main__, its folder
+    first on sys.path), forked from the session's rank server: a new interpreter would spend 4-5 s
+    here importing what the server has (run_cli)."""
+    return run_cli(args, cwd, timeout=timeout, program=str(REPO / "benchmarks" / script))
 
 
 def test_runner_overhead_benchmark_writes_its_results(tmp_path):

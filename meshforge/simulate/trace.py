@@ -10,9 +10,9 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from meshforge.configs import Recipe
+from meshforge.core.tensors import local_tensor
 from meshforge.models import args_from_config
 from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.cp import forget_cached_tensors
@@ -108,7 +108,7 @@ def _step_once_per_shape(opt: torch.optim.Optimizer, recorder: CostRecorder | No
         for i, params in enumerate(saved):
             previous = None
             for p in (p for p in params if p.grad is not None):  # AdamW skips the others
-                local = p.to_local() if isinstance(p, DTensor) else p
+                local = local_tensor(p)
                 sharding = [
                     (getattr(t, "device_mesh", None), getattr(t, "placements", None)) for t in (p, p.grad)
                 ]
@@ -151,7 +151,7 @@ def _sharded_states(parts: list, optimizers: list) -> dict[str, int]:
     state, in bytes: what FSDP's CPU offload keeps on the host."""
 
     def local_bytes(tensors) -> int:
-        return sum(tensor_bytes(t.to_local() if isinstance(t, DTensor) else t) for t in tensors)
+        return sum(tensor_bytes(local_tensor(t)) for t in tensors)
 
     params = local_bytes(p for part in parts for p in part.parameters())
     moments = local_bytes(

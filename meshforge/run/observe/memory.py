@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from meshforge.core.tensors import local_tensor
 from meshforge.core.units import GiB
 
 
@@ -31,17 +31,13 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (this rank's shards only)."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
             continue
-        storage = _local(t).untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
