@@ -7,6 +7,7 @@ need a model family or the parallelisms are checked one layer up (meshforge.reci
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -193,13 +194,31 @@ def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) 
     raw = read_toml(path)
     over, problems = parse_overrides(overrides)
     raw = _deep_merge(raw, over)
-    problems += check_keys_and_types(raw)
-    if problems:
-        raise RecipeError(problems, str(path))
-    recipe: Recipe = OmegaConf.to_object(OmegaConf.merge(_schema(Recipe), raw))
+    if problems:  # the overrides' own problems, and those of the merged recipe
+        raise RecipeError(problems + check_keys_and_types(raw), str(path))
+    recipe = _typed(raw, str(path))
     if recipe.run_name is None:
         recipe.run_name = f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     return recipe, path
+
+
+# A launch loads its recipe twice (whether it forks local ranks, then the recipe itself), and the
+# checks and OmegaConf merge cost ~0.1 s: the same merged TOML (its repr, types included) is
+# checked and typed once per process, each caller getting its own copy.
+_TYPED: dict[str, Recipe] = {}
+_TYPED_KEPT = 16
+
+
+def _typed(raw: dict, path: str) -> Recipe:
+    """The recipe `raw` (merged TOML) describes, checked; RecipeError listing every problem."""
+    key = repr(raw)
+    if key not in _TYPED:
+        if problems := check_keys_and_types(raw):
+            raise RecipeError(problems, path)
+        if len(_TYPED) >= _TYPED_KEPT:
+            del _TYPED[next(iter(_TYPED))]  # the oldest
+        _TYPED[key] = OmegaConf.to_object(OmegaConf.merge(_schema(Recipe), raw))
+    return copy.deepcopy(_TYPED[key])
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

@@ -444,3 +444,15 @@ def test_every_command_in_the_recipe_headers_and_the_readme_validates():
         load_recipe(recipe, overrides, world_size=world)  # raises, naming the field, if refused
         checked += 1
     assert checked >= 12  # the headers' and the README's commands were found
+
+
+def test_loading_a_recipe_twice_gives_two_recipes_and_every_problem_is_listed():
+    """A launch loads its recipe twice, the second from what the first checked: each caller owns its
+    copy, and an override that does not parse is listed beside the merged recipe's problems."""
+    first = load_recipe(str(RECIPES / "debug_cpu.toml"), ["train.steps=7"])
+    first.train.steps, first.mesh.tp = 99, 1
+    second = load_recipe(str(RECIPES / "debug_cpu.toml"), ["train.steps=7"])
+    assert (second.train.steps, second.mesh.tp) == (7, 2) and second is not first
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(RECIPES / "debug_cpu.toml"), ["train.steps", "train.stepz=3"])
+    assert {p.field for p in e.value.problems} == {"override", "train.stepz"}
