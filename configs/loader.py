@@ -203,14 +203,14 @@ def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) 
 
 
 # A launch loads its recipe twice (whether it forks local ranks, then the recipe itself), and the
-# checks and OmegaConf merge cost ~0.1 s: the same merged TOML (its repr, types included) is
-# checked and typed once per process, each caller getting its own copy.
+# checks and OmegaConf merge cost ~65 ms here: the last 16 merged TOMLs (keyed by repr, so types
+# count) are checked and typed once per process, each caller getting its own deep copy.
 _TYPED: dict[str, Recipe] = {}
 _TYPED_KEPT = 16
 
 
 def _typed(raw: dict, path: str) -> Recipe:
-    """The recipe `raw` (merged TOML) describes, checked; RecipeError listing every problem."""
+    """A copy of the recipe `raw` (merged TOML) describes, checked (RecipeError lists every problem)."""
     key = repr(raw)
     if key not in _TYPED:
         if problems := check_keys_and_types(raw):

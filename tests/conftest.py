@@ -62,7 +62,10 @@ def run_cli(
     new interpreter spends 3 to 5 s importing torch and meshforge here). Its stdin is empty and its
     imports were made by the server. `fresh`, or an environment that changes a variable outside
     READ_WHILE_RUNNING, runs the script in a new interpreter, as a user starts it: the tests of the
-    terminal, of the README's commands as written and of PYTHONPATH hooks."""
+    terminal, of the README's commands as written and of PYTHONPATH hooks. A forked script differs
+    from `python SCRIPT` in what the server did first: torch and meshforge are imported (a variable
+    read when they are imported is not read again), this session's sys.path entries stay, atexit
+    handlers do not run, and an uncaught error prints a process header first."""
     default = cli_env()
     env = env or default
     changed = {k for k in {*env, *default} if env.get(k) != default.get(k)}

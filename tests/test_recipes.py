@@ -453,6 +453,11 @@ def test_loading_a_recipe_twice_gives_two_recipes_and_every_problem_is_listed():
     first.train.steps, first.mesh.tp = 99, 1
     second = load_recipe(str(RECIPES / "debug_cpu.toml"), ["train.steps=7"])
     assert (second.train.steps, second.mesh.tp) == (7, 2) and second is not first
+    # a mesh degree of -1 is filled in per world size, on the caller's copy only
+    derived = [
+        load_recipe(str(RECIPES / "debug_cpu.toml"), ["mesh.dp_shard=-1"], world_size=w) for w in (4, 8)
+    ]
+    assert [r.mesh.dp_shard for r in derived] == [1, 2]
     with pytest.raises(RecipeError) as e:
         load_recipe(str(RECIPES / "debug_cpu.toml"), ["train.steps", "train.stepz=3"])
     assert {p.field for p in e.value.problems} == {"override", "train.stepz"}

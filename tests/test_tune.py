@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -306,6 +307,8 @@ def test_a_tune_plan_says_when_layouts_change_the_global_batch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "highest tokens/s first" in proc.stdout
     assert "train on 64 to 128 tokens per step" in " ".join(proc.stdout.split()), proc.stdout
+    # 4 of the 5 layouts of 2 ranks ranked; pp2 refused (its 4 microbatches need 4 samples), said so
+    assert re.search(r"^predicted 4 of 5 points in \d+ s \(1 refused\)$", proc.stdout, re.MULTILINE)
 
 
 def test_bad_tune_input_is_refused_naming_it(tmp_path):

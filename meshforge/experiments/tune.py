@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
@@ -97,7 +98,12 @@ def tune(
     for r in rows:
         if r["status"] in ("refused", "skipped"):
             console.print(f"  {r['label']}: {r['status']}: {r['error']}", highlight=False)
-    console.print(f"predicted {len(rows)} points in {time.monotonic() - started:.0f} s", highlight=False)
+    others = Counter(r["status"] for r in rows if r["status"] != "planned")  # refused, skipped, failed
+    console.print(
+        f"predicted {len(ranked)} of {len(rows)} points in {time.monotonic() - started:.0f} s"
+        + (f" ({', '.join(f'{n} {status}' for status, n in others.items())})" if others else ""),
+        highlight=False,
+    )
     if plan_only:
         return tune_dir
     tune_dir.mkdir(parents=True, exist_ok=True)
