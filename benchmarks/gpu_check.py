@@ -326,6 +326,9 @@ def main() -> int:
     p.add_argument("--runs-dir", default="/tmp/meshforge_gpu_check", help="folder for the run records")
     p.add_argument("--only", default=None, help="comma-separated run names")
     p.add_argument(
+        "--run-timeout", type=float, default=300, help="seconds one run may take before it is stopped"
+    )
+    p.add_argument(
         "--dry-run", action="store_true", help="validate every run's recipe and print it; no GPU needed"
     )
     a = p.parse_args()
@@ -338,7 +341,7 @@ def main() -> int:
     results = {}
     for name in names:
         recipe, overrides, _ = RUNS[name]
-        results[name] = run(name, recipe, overrides, steps_of(name, a.steps), Path(a.runs_dir))
+        results[name] = run(name, recipe, overrides, steps_of(name, a.steps), Path(a.runs_dir), a.run_timeout)
         results[name]["problems"] = memory_problems(results[name]) if "error" not in results[name] else []
         if "profile.steps=1" in overrides and "error" not in results[name]:
             results[name]["profile_trace"] = keep_profile(Path(a.runs_dir) / name, Path(a.out))

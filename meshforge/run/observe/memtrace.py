@@ -107,7 +107,8 @@ class StepMemTracker(MemTracker):
             return super().__torch_dispatch__(func, types, args, kwargs)
         # torch's path without its search of the output for tensors to track (there are none)
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._fake_mode_on_entry:
+        # torch < 2.13 (the GPU machines' 2.11) has no entry mode and records every op
+        if active_fake_mode() is getattr(self, "_fake_mode_on_entry", active_fake_mode()):
             self._update_peak_stats(None)  # the place it runs in keeps its peak, as on torch's path
         return out
 
