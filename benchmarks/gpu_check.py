@@ -3,8 +3,9 @@ metrics checked), then a one-GPU llm_1b in bf16, eager and compiled, and once wi
 `fsdp.cpu_offload`, each beside `meshforge estimate` of the same recipe; float8 rowwise and
 tensorwise against bf16 after 50 steps (speed and loss); activation checkpointing from none
 through per-op and memory budgets 0.7/0.5/0.3 to full (tokens/s against peak memory, the
-estimate's error on each); one profiled step's trace kept in the results.
-`--dry-run` validates every run's recipe and prints its command, on any machine.
+estimate's error on each); bf16 and float8 again at twice the batch; one profiled step's trace
+kept in the results, with its GPU time by kernel kind. `--dry-run` validates every run's recipe
+and prints its command, on any machine; `--merge` records checks made in parts (`--only`) as one.
 
     bash benchmarks/gpu_check.sh                    # writes benchmarks/results/gpu_check.{json,md}
     python benchmarks/gpu_check.py --steps 30 --out /tmp/gpu
@@ -44,7 +45,15 @@ SYNTHETIC = [
     "data.tokenizer=byte",  # the synthetic source reads no tokenizer and shuffles no windows
     "data.shuffle_windows=0",
 ]
-LLM_1B_ONE_GPU = [*ONE_GPU, *SYNTHETIC, "activation_checkpoint.mode=none", "logging.log_every=5"]
+# llm_1b warms up over 100 steps: after 50 its loss had moved only 11.76 -> 11.72 (2026-12-04),
+# too little for float8's loss check to mean anything; 5 steps of warm-up leave 45 at full rate
+LLM_1B_ONE_GPU = [
+    *ONE_GPU,
+    *SYNTHETIC,
+    "activation_checkpoint.mode=none",
+    "logging.log_every=5",
+    "lr_scheduler.warmup_steps=5",
+]
 LLM_1B_COMPILED = [*LLM_1B_ONE_GPU, "compile.enabled=true", "logging.memory_history=false"]
 PROFILED_STEP = 8  # after compilation and the first steps' allocations
 
@@ -94,6 +103,16 @@ RUNS: dict[str, tuple[str, list[str], float]] = {
         )
         for b in ("0.3", "0.5", "0.7")
     },
+    # twice the tokens a step (micro batch 4): is the 1B's MFU, and float8's gain, held back by small matmuls?
+    "llm_1b_bf16_compile_mb4": ("llm_1b", [*LLM_1B_COMPILED, "train.micro_batch_size=4"], 1),
+    **{
+        f"llm_1b_float8_{r}_compile_mb4": (
+            "llm_1b",
+            [*LLM_1B_COMPILED, "train.micro_batch_size=4", "float8.enabled=true", f"float8.recipe={r}"],
+            1,
+        )
+        for r in ("rowwise", "tensorwise")
+    },
     # one profiled step (torch.profiler's Chrome trace, gzipped into the results)
     "llm_1b_bf16_compile_profiled": (
         "llm_1b",
@@ -103,8 +122,14 @@ RUNS: dict[str, tuple[str, list[str], float]] = {
 }
 # float8's loss is judged against bf16's after LOSS_STEPS steps (the runs' steps are raised to it)
 LOSS_STEPS = 50
-FLOAT8_BASELINE = "llm_1b_bf16_compile"
-FLOAT8_RUNS = ("llm_1b_float8_rowwise_compile", "llm_1b_float8_tensorwise_compile")
+# each float8 run against the bf16 run of the same batch
+FLOAT8_BASELINES = {
+    "llm_1b_float8_rowwise_compile": "llm_1b_bf16_compile",
+    "llm_1b_float8_tensorwise_compile": "llm_1b_bf16_compile",
+    "llm_1b_float8_rowwise_compile_mb4": "llm_1b_bf16_compile_mb4",
+    "llm_1b_float8_tensorwise_compile_mb4": "llm_1b_bf16_compile_mb4",
+}
+LOSS_RUNS = ("llm_1b_bf16_compile", "llm_1b_float8_rowwise_compile", "llm_1b_float8_tensorwise_compile")
 PARETO = (
     "llm_1b_bf16_compile",
     "llm_1b_ac_op_compile",
@@ -195,27 +220,25 @@ def estimate_error(r: dict) -> str:
 
 
 def float8_table(results: dict[str, dict]) -> list[str]:
-    """float8's speed and loss against bf16 compiled, after the same LOSS_STEPS steps."""
-    base = results.get(FLOAT8_BASELINE, {}).get("summary")
-    if not base:
-        return []
-    lines = [
-        "",
-        f"float8 against {FLOAT8_BASELINE} after {LOSS_STEPS} steps "
-        "(targets: >= +25% tokens/s, loss within 1%):",
-        "",
-        "| run | tokens/s vs bf16 | final loss | vs bf16's |",
-        "|---|---|---|---|",
-    ]
-    for name in FLOAT8_RUNS:
-        s = results.get(name, {}).get("summary")
-        if s:
+    """float8's speed and loss against the bf16 compiled run of the same batch and steps."""
+    lines = []
+    for name, base_name in FLOAT8_BASELINES.items():
+        s, base = (results.get(n, {}).get("summary") for n in (name, base_name))
+        if s and base and s["steps"] == base["steps"]:
             speed, loss = (
                 s["tokens_per_sec"] / base["tokens_per_sec"] - 1,
                 s["final_loss"] / base["final_loss"] - 1,
             )
-            lines.append(f"| {name} | {speed:+.1%} | {s['final_loss']:.4f} | {loss:+.2%} |")
-    return lines
+            row = f"| {name} | {base_name} | {s['steps']} | {speed:+.1%} | {s['final_loss']:.4f} "
+            lines.append(row + f"| {loss:+.2%} |")
+    if not lines:
+        return []
+    head = "(targets: >= +25% tokens/s, loss within 1% after 50 steps):"
+    return ["", f"float8 against bf16 compiled, the same batch and steps {head}", ""] + [
+        "| run | against | steps | tokens/s vs bf16 | final loss | vs bf16's |",
+        "|---|---|---|---|---|---|",
+        *lines,
+    ]
 
 
 def pareto_table(results: dict[str, dict]) -> list[str]:
@@ -239,7 +262,7 @@ def pareto_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def keep_profile(run_dir: Path, out: Path) -> str | None:
+def keep_profile(run_dir: Path, out: Path) -> Path | None:
     """The profiled run's rank-0 trace, gzipped into the results folder; its path."""
     traces = sorted(run_dir.rglob("rank0.pt.trace.json"))
     if not traces:
@@ -248,7 +271,7 @@ def keep_profile(run_dir: Path, out: Path) -> str | None:
     out.mkdir(parents=True, exist_ok=True)
     with traces[0].open("rb") as src, gzip.open(kept, "wb") as dst:
         shutil.copyfileobj(src, dst)
-    return str(kept.relative_to(REPO) if kept.is_relative_to(REPO) else kept)
+    return kept
 
 
 def steps_of(name: str, steps: int) -> int:
@@ -256,7 +279,7 @@ def steps_of(name: str, steps: int) -> int:
     n = max(6, int(steps * RUNS[name][2]))
     if f"profile.start_step={PROFILED_STEP}" in RUNS[name][1]:
         n = max(n, PROFILED_STEP + 2)  # the profiled step, and one after it
-    return max(n, LOSS_STEPS) if name in (*FLOAT8_RUNS, FLOAT8_BASELINE) else n
+    return max(n, LOSS_STEPS) if name in LOSS_RUNS else n
 
 
 def dry_run(names: list[str], steps: int, runs_dir: Path) -> int:
@@ -303,18 +326,75 @@ def table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def record(results: dict[str, dict], out: Path) -> list[str]:
-    machine = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
-    md = [f"# GPU check ({machine['gpu']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')})", ""]
+# a CUDA kernel's share of the profiled step, by what its name says it is (first match wins)
+KERNEL_KINDS = (
+    ("attention (SDPA)", ("sdpa", "flash", "fmha")),
+    ("matmul", ("nvjet", "gemm", "cutlass")),
+    ("loss softmax / nll (eager)", ("softmax", "nll")),
+    ("optimizer (fused AdamW)", ("multi_tensor",)),
+    ("compiled (triton)", ("triton",)),
+    ("copies and casts", ("copy",)),
+)
+
+
+def kernel_breakdown(trace_gz: Path) -> dict:
+    """The profiled step's GPU time by kernel kind, read from its Chrome trace: where the MFU goes."""
+    with gzip.open(trace_gz, "rt") as f:
+        kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    busy_us = sum(e["dur"] for e in kernels)
+    span_us = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        name = e["name"].lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1e3
+    ms = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return {"kernels": len(kernels), "busy_ms": busy_us / 1e3, "span_ms": span_us / 1e3, "by_kind_ms": ms}
+
+
+def breakdown_table(b: dict) -> list[str]:
+    lines = [
+        "",
+        f"the profiled step's GPU time ({b['kernels']} kernels, {b['busy_ms']:.1f} ms busy in a "
+        f"{b['span_ms']:.1f} ms span from first kernel to last):",
+        "",
+        "| kernels | ms | share of busy |",
+        "|---|---|---|",
+    ]
+    return lines + [f"| {k} | {ms:.1f} | {ms / b['busy_ms']:.1%} |" for k, ms in b["by_kind_ms"].items()]
+
+
+def render(recorded: dict) -> list[str]:
+    """The markdown of a recorded check (provenance and runs)."""
+    machine, results = recorded["machine"], recorded["runs"]
+    md = [f"# GPU check ({machine['gpu']}, torch {recorded['versions']['torch']}, {recorded['date']})", ""]
     md += table(results) + float8_table(results) + pareto_table(results)
-    if profile := results.get("llm_1b_bf16_compile_profiled", {}).get("profile_trace"):
+    profiled = results.get("llm_1b_bf16_compile_profiled", {})
+    if profile := profiled.get("profile_trace"):
         md += ["", f"one profiled step (rank 0, Chrome trace for Perfetto / TensorBoard): `{profile}`"]
-    md += [
+    if "kernel_breakdown" in profiled:
+        md += breakdown_table(profiled["kernel_breakdown"])
+    return md + [
         "",
         "tokens/s and MFU: steady steps (warm-up and checkpoint steps left out); MFU of bf16 dense peak.",
     ]
-    save(out, "gpu_check", {**provenance(**machine), "runs": results}, md)
+
+
+def record(results: dict[str, dict], out: Path) -> list[str]:
+    recorded = {
+        **provenance(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda),
+        "runs": results,
+    }
+    save(out, "gpu_check", recorded, md := render(recorded))
     return md
+
+
+def merge(paths: list[str], out: Path) -> None:
+    """Checks recorded in parts on one machine, as one record: the first's provenance, every
+    part's runs (a later part's run of the same name wins)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {**parts[0], "runs": {n: r for part in parts for n, r in part["runs"].items()}}
+    save(out, "gpu_check", merged, render(merged))
 
 
 def main() -> int:
@@ -331,7 +411,16 @@ def main() -> int:
     p.add_argument(
         "--dry-run", action="store_true", help="validate every run's recipe and print it; no GPU needed"
     )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="write recorded parts (gpu_check.json files) as one; no GPU",
+    )
     a = p.parse_args()
+    if a.merge:
+        merge(a.merge, Path(a.out))
+        return 0
     names = a.only.split(",") if a.only else list(RUNS)
     if a.dry_run:
         return dry_run(names, a.steps, Path(a.runs_dir))
@@ -344,7 +433,12 @@ def main() -> int:
         results[name] = run(name, recipe, overrides, steps_of(name, a.steps), Path(a.runs_dir), a.run_timeout)
         results[name]["problems"] = memory_problems(results[name]) if "error" not in results[name] else []
         if "profile.steps=1" in overrides and "error" not in results[name]:
-            results[name]["profile_trace"] = keep_profile(Path(a.runs_dir) / name, Path(a.out))
+            kept = keep_profile(Path(a.runs_dir) / name, Path(a.out))
+            results[name]["profile_trace"] = kept and str(
+                kept.relative_to(REPO) if kept.is_relative_to(REPO) else kept
+            )
+            if kept:
+                results[name]["kernel_breakdown"] = kernel_breakdown(kept)
         print(table({name: results[name]})[-1], flush=True)
         md = record(results, Path(a.out))  # after every run: a check cut short keeps what it measured
     print("\n".join(md))

@@ -3,6 +3,7 @@ here: speed targets are measured by the benchmark commands, on a quiet machine).
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 
@@ -105,12 +106,55 @@ def test_gpu_check_dry_run_validates_every_run_without_a_gpu(tmp_path):
     proc = run_benchmark("gpu_check.py", ["--dry-run", "--runs-dir", str(tmp_path)], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     verdicts = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if not line.startswith(" "))
-    assert len(verdicts) == 13 and set(verdicts.values()) == {"valid"}, verdicts
+    assert len(verdicts) == 16 and set(verdicts.values()) == {"valid"}, verdicts
     for name in ("llm_1b_ac_op_compile", "llm_1b_memory_budget_0.3_compile", "llm_1b_bf16_compile_profiled"):
         assert name in verdicts
-    commands = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  run_recipe")]
-    float8 = [c for c in commands if "float8.enabled=true" in c]
-    assert len(float8) == 2 and all("train.steps=50" in c for c in float8)
+    commands = dict(
+        zip(verdicts, (line.strip() for line in proc.stdout.splitlines() if line.startswith("  ")))
+    )
+    for name in ("llm_1b_bf16_compile", "llm_1b_float8_rowwise_compile", "llm_1b_float8_tensorwise_compile"):
+        assert "train.steps=50" in commands[name] and "lr_scheduler.warmup_steps=5" in commands[name]
+    # a float8 run at twice the batch is judged against bf16 at that batch, both the check's steps
+    assert "train.steps=30" in commands["llm_1b_float8_tensorwise_compile_mb4"]
+    assert "train.steps=30" in commands["llm_1b_bf16_compile_mb4"]
+
+
+def test_gpu_check_reads_where_the_recorded_profiled_steps_gpu_time_went(tmp_path, monkeypatch):
+    """The H200's recorded trace (a real torch.profiler file): every kernel counted once, and the
+    record's breakdown is what the trace says. Recorded parts merge into one record and table."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    results = REPO / "benchmarks" / "results"
+    trace = results / "gpu_check_profile_rank0.pt.trace.json.gz"
+    got = gpu_check.kernel_breakdown(trace)
+    with gzip.open(trace, "rt") as f:
+        kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    assert got["kernels"] == len(kernels) > 1000
+    assert sum(got["by_kind_ms"].values()) == pytest.approx(sum(e["dur"] for e in kernels) / 1e3)
+    assert (
+        sum(got["by_kind_ms"].values()) == pytest.approx(got["busy_ms"]) and got["busy_ms"] <= got["span_ms"]
+    )
+    assert max(got["by_kind_ms"], key=got["by_kind_ms"].get) == "matmul"
+    recorded = json.loads((results / "gpu_check.json").read_text())
+    assert (
+        recorded["runs"]["llm_1b_bf16_compile_profiled"]["kernel_breakdown"] == got
+    )  # JSON keeps floats exactly
+
+    first = {
+        **recorded,
+        "runs": {n: recorded["runs"][n] for n in ("default_recipe_cuda", "llm_1b_bf16_compile")},
+    }
+    later = {"runs": {"default_recipe_cuda": {**recorded["runs"]["default_recipe_cuda"], "wall_s": 99.5}}}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, (first, later)):
+        path.write_text(json.dumps(part))
+    gpu_check.merge([str(p) for p in paths], tmp_path)
+    merged = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert merged["machine"] == recorded["machine"] and list(merged["runs"]) == list(first["runs"])
+    assert merged["runs"]["default_recipe_cuda"]["wall_s"] == 99.5  # the later part's run wins
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| default_recipe_cuda |" in md and "| 99.5 |" in md and "| llm_1b_bf16_compile | 49,614 |" in md
 
 
 @pytest.mark.slow
