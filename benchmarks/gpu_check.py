@@ -29,10 +29,13 @@ import torch
 from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.configs import RecipeError
+from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.recipe import load_recipe
 from meshforge.run.observe.memory import PEAK
-from meshforge.simulate.estimate import estimate_rows
+from meshforge.simulate.estimate import estimate_rows, role_works, submit_roles, trace_pool
+from meshforge.simulate.hardware import SHIPPED, load_profile
+from meshforge.simulate.step_time import predict_step
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_GPU = ["train.device=cuda", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
@@ -172,6 +175,8 @@ def run(name: str, recipe: str, overrides: list[str], steps: int, out: Path, tim
         result["estimate_gib"] = estimate_gib(recipe, overrides)
     except Exception as e:  # the run's figures still count; the table says what failed
         result["estimate_error"] = f"{type(e).__name__}: {e}"[:300]
+    if profile := gpu_profile(torch.cuda.get_device_name(0)):
+        result["predicted_step_s"] = predicted_step_s(recipe, tuple(overrides), profile)
     return result
 
 
@@ -211,6 +216,28 @@ def memory_problems(result: dict) -> list[str]:
     if reserved is not None and active is not None and reserved < active:
         problems.append(f"reserved {reserved} < active {active} GiB")
     return problems
+
+
+def gpu_profile(device_name: str) -> str | None:
+    """The shipped tune profile of this GPU (`meshforge tune --profile`), None for another GPU."""
+    return next((p for p in SHIPPED if p in device_name.lower()), None)
+
+
+@functools.cache
+def predicted_step_s(recipe: str, overrides: tuple[str, ...], profile: str) -> float:
+    """`meshforge tune --plan --profile P` of the run: its eager step priced by the profile (a
+    compiled run's step is not modelled: tune says so)."""
+    r = load_recipe(str(REPO / "recipes" / f"{recipe}.toml"), list(overrides), world_size=1)
+    dims = ParallelDims.from_config(r.mesh)
+    with trace_pool() as pool:
+        works = role_works(submit_roles(r, pool, work=True, paired=False), dims)
+    return predict_step(works, dims, r.train.grad_accum_steps, load_profile(profile)).step_s
+
+
+def step_error(r: dict) -> str:
+    """The predicted step against the measured steady step, signed ('-' without both)."""
+    measured, predicted = r.get("summary", {}).get("step_time"), r.get("predicted_step_s")
+    return f"{predicted / measured - 1:+.1%}" if measured and predicted else "-"
 
 
 def estimate_error(r: dict) -> str:
@@ -306,9 +333,9 @@ def dry_run(names: list[str], steps: int, runs_dir: Path) -> int:
 
 def table(results: dict[str, dict]) -> list[str]:
     lines = [
-        "| run | tokens/s | MFU | TFLOP/s | peak GiB (measured) | estimate GiB | estimate error | wall s "
-        "| note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | tokens/s | MFU | TFLOP/s | peak GiB (measured) | estimate GiB | estimate error | step s "
+        "| predicted step s | step error | wall s | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         s = r.get("summary", {})
@@ -321,6 +348,7 @@ def table(results: dict[str, dict]) -> list[str]:
         lines.append(
             f"| {name} | {s.get('tokens_per_sec', 0):,.0f} | {mfu} | {s.get('tflops_per_device', 0):.1f} "
             f"| {s.get('peak_memory_gib', 0):.2f} | {r.get('estimate_gib', 0):.2f} | {estimate_error(r)} "
+            f"| {s.get('step_time', 0):.4f} | {r.get('predicted_step_s', 0):.4f} | {step_error(r)} "
             f"| {r['wall_s']} | {note} |"
         )
     return lines
@@ -368,6 +396,7 @@ def render(recorded: dict) -> list[str]:
     """The markdown of a recorded check (provenance and runs)."""
     machine, results = recorded["machine"], recorded["runs"]
     md = [f"# GPU check ({machine['gpu']}, torch {recorded['versions']['torch']}, {recorded['date']})", ""]
+    md += [recorded["note"], ""] if "note" in recorded else []
     md += table(results) + float8_table(results) + pareto_table(results)
     profiled = results.get("llm_1b_bf16_compile_profiled", {})
     if profile := profiled.get("profile_trace"):
@@ -376,7 +405,9 @@ def render(recorded: dict) -> list[str]:
         md += breakdown_table(profiled["kernel_breakdown"])
     return md + [
         "",
-        "tokens/s and MFU: steady steps (warm-up and checkpoint steps left out); MFU of bf16 dense peak.",
+        "tokens/s, MFU and step s: steady steps (warm-up and checkpoint steps left out); MFU of bf16 "
+        "dense peak. predicted step s: `meshforge tune --plan` with the GPU's shipped profile, which "
+        "prices the eager step (compile's fusion is not modelled).",
     ]
 
 

@@ -137,9 +137,13 @@ def test_gpu_check_reads_where_the_recorded_profiled_steps_gpu_time_went(tmp_pat
     )
     assert max(got["by_kind_ms"], key=got["by_kind_ms"].get) == "matmul"
     recorded = json.loads((results / "gpu_check.json").read_text())
+    assert recorded["runs"]["llm_1b_bf16_compile_profiled"]["kernel_breakdown"] == got  # JSON: exact
+    # the predicted-step column: tune's prediction with the GPU's own shipped profile, none for another
+    assert gpu_check.gpu_profile("NVIDIA H200") == "h200" and gpu_check.gpu_profile("NVIDIA A100") is None
+    run = recorded["runs"]["default_recipe_cuda"]
     assert (
-        recorded["runs"]["llm_1b_bf16_compile_profiled"]["kernel_breakdown"] == got
-    )  # JSON keeps floats exactly
+        gpu_check.predicted_step_s(run["recipe"], tuple(run["overrides"]), "h200") == run["predicted_step_s"]
+    )
 
     first = {
         **recorded,
