@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA path on a one-GPU machine, in one go (about 10 minutes on an H100/H200): the default
-# recipe on cuda with its memory metrics checked, then llm_1b on one GPU in bf16 (eager,
-# compiled, float8 rowwise and tensorwise compiled against bf16 after 50 steps, AC from none
-# through per-op and memory budgets 0.7/0.5/0.3 to full, fsdp.cpu_offload, one profiled step), each
-# with tokens/s, MFU and peak memory beside `meshforge estimate`. Writes
-# benchmarks/results/gpu_check.{json,md} (or --out DIR) and the profiled step's trace beside them.
+# The CUDA path on a one-GPU machine, in one go (about 7 minutes on an H200, 2026-12-04): the default
+# recipe on cuda with its memory metrics checked, then llm_1b on one GPU in bf16 (eager, compiled,
+# float8 rowwise and tensorwise compiled against bf16 after 50 steps and again at micro batch 4, AC
+# from none through per-op and memory budgets 0.7/0.5/0.3 to full, fsdp.cpu_offload, one profiled
+# step broken down by kernel kind), each with tokens/s, MFU and peak memory beside `meshforge
+# estimate` and tune's predicted step. Writes benchmarks/results/gpu_check.{json,md} (or --out DIR)
+# and the profiled step's trace beside them; --merge writes parts run with --only as one record.
 #
-#   bash benchmarks/gpu_check.sh [--steps 30] [--out DIR] [--only name,name] [--dry-run]
+#   bash benchmarks/gpu_check.sh [--steps 30] [--out DIR] [--only name,name] [--run-timeout S] [--dry-run]
 #
 # It installs meshforge (editable, no dependencies fetched) into the python it finds when
 # meshforge is not importable yet; wheels in .whl/ (for a machine without network) go first.

@@ -13,7 +13,7 @@ import torch
 from conftest import QUICK, RECIPES, run_cli, slurm_env
 
 from meshforge.core.topology import ParallelDims
-from meshforge.experiments.tune import batch_caveat, rank_predicted, untraced_caveats
+from meshforge.experiments.tune import batch_caveat, rank_predicted, untraced_caveats, untraced_reason
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action
 from meshforge.recipe import load_recipe
@@ -300,8 +300,8 @@ def test_points_that_train_on_different_batches_are_ranked_by_tokens_per_second(
 
 
 def test_a_tune_says_when_the_recipe_asks_what_the_eager_trace_does_not_model():
-    """On one H200 compiled llm_1b ran 10-16% faster than the eager prediction, with CPU offload
-    7x slower: the table says so."""
+    """On one H200 tune predicted compiled llm_1b 11-16% long, float8 68-97% long and CPU offload
+    85% short: the table says so, and refuses them as axes."""
     recipe, dp = str(RECIPES / "debug_cpu.toml"), ["mesh.tp=1", "mesh.pp=1", "mesh.dp_shard=2"]
     assert untraced_caveats(load_recipe(recipe, dp)) == []
     (compiled,) = untraced_caveats(load_recipe(recipe, [*dp, "compile.enabled=true"]))
@@ -316,6 +316,19 @@ def test_a_tune_says_when_the_recipe_asks_what_the_eager_trace_does_not_model():
         "fsdp.cpu_offload = true: step times are not to be trusted: the host's optimizer step and the "
         "copies to and from it are not modelled"
     ]
+    (float8,) = untraced_caveats(load_recipe(recipe, [*dp, "float8.enabled=true"]))
+    assert float8.startswith("float8.enabled = true: step times are not to be trusted: float8's matmuls")
+    # as axes they are refused (a key, a float8.* key by its prefix, the budget among AC modes)
+    for key, values in [
+        ("float8.exclude", ["[output]", "[]"]),
+        ("float8.enabled", ["true", "false"]),
+        ("fsdp.cpu_offload", ["true", "false"]),
+        ("compile.enabled", ["true", "false"]),
+        ("activation_checkpoint.mode", ["full", "memory_budget"]),
+    ]:
+        assert untraced_reason(key, values), key
+    assert untraced_reason("activation_checkpoint.mode", ["none", "full", "op"]) is None
+    assert untraced_reason("fsdp.reshard_after_forward", ["true", "false"]) is None
 
 
 def test_a_tune_plan_says_when_layouts_change_the_global_batch(tmp_path):
