@@ -29,13 +29,11 @@ import torch
 from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.configs import RecipeError
-from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.recipe import load_recipe
 from meshforge.run.observe.memory import PEAK
-from meshforge.simulate.estimate import estimate_rows, role_works, submit_roles, trace_pool
+from meshforge.simulate.estimate import estimate_rows, predict_recipe_step
 from meshforge.simulate.hardware import SHIPPED, load_profile
-from meshforge.simulate.step_time import predict_step
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_GPU = ["train.device=cuda", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
@@ -233,10 +231,7 @@ def predicted_step_s(recipe: str, overrides: tuple[str, ...], profile: str) -> f
     """`meshforge tune --plan --profile P` of the run: its eager step priced by the profile (a
     compiled run's step is not modelled: tune says so)."""
     r = load_recipe(str(REPO / "recipes" / f"{recipe}.toml"), list(overrides), world_size=1)
-    dims = ParallelDims.from_config(r.mesh)
-    with trace_pool() as pool:
-        works = role_works(submit_roles(r, pool, work=True, paired=False), dims)
-    return predict_step(works, dims, r.train.grad_accum_steps, load_profile(profile)).step_s
+    return predict_recipe_step(r, load_profile(profile)).step_s
 
 
 def step_error(r: dict) -> str:

@@ -29,13 +29,11 @@ from recorded import provenance, save  # benchmarks/recorded.py
 from rich.console import Console
 
 from meshforge.configs import resolve_recipe_path
-from meshforge.core.topology import ParallelDims
 from meshforge.experiments.refine import measured_runs, refine
 from meshforge.experiments.tune import tune
 from meshforge.recipe import load_recipe
-from meshforge.simulate.estimate import role_works, submit_roles, trace_pool
+from meshforge.simulate.estimate import predict_recipe_step
 from meshforge.simulate.hardware import load_profile
-from meshforge.simulate.step_time import predict_step
 
 # llm_1b shrunk for 8 CPU processes, as its header says
 LLM_1B_SHRUNK = [
@@ -130,10 +128,7 @@ def bubbles(profile_path: str) -> list[dict]:
 
     def step(overrides: list[str]) -> float:
         recipe = load_recipe(str(resolve_recipe_path("debug_cpu")), [*base, *overrides])
-        dims = ParallelDims.from_config(recipe.mesh)
-        with trace_pool() as pool:
-            works = role_works(submit_roles(recipe, pool, work=True), dims)
-        return predict_step(works, dims, recipe.train.grad_accum_steps, profile).step_s
+        return predict_recipe_step(recipe, profile).step_s
 
     pp, m = recorded["pp"], recorded["microbatches"]
     t1 = step(["mesh.pp=1"])

@@ -39,6 +39,8 @@ from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES
 from meshforge.simulate.fake_rank import trace_pool
+from meshforge.simulate.hardware import Profile
+from meshforge.simulate.step_time import StepPrediction, predict_step
 from meshforge.simulate.trace import FROM_START_PERIODS, trace_depths, trace_rank
 
 # A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
@@ -171,6 +173,15 @@ def submit_roles(recipe: Recipe, pool, work: bool = False, paired: bool = True) 
 def role_works(results: list, dims: ParallelDims) -> dict[int, dict]:
     """Each pp rank's traced work from `submit_roles(..., work=True)`: what predict_step prices."""
     return {dims.coordinate(rank)["pp"]: r.result()["work"] for rank, r in results}
+
+
+def predict_recipe_step(recipe: Recipe, profile: Profile) -> StepPrediction:
+    """One recipe's step as `meshforge tune --plan` predicts it: its roles traced with their work
+    (a pool of its own), priced by `profile`."""
+    dims = ParallelDims.from_config(recipe.mesh)
+    with trace_pool() as pool:
+        works = role_works(submit_roles(recipe, pool, work=True), dims)
+    return predict_step(works, dims, recipe.train.grad_accum_steps, profile)
 
 
 def heaviest(results: list) -> dict:
