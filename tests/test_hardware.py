@@ -8,7 +8,7 @@ import pytest
 
 from meshforge.core.errors import RecipeError, UsageError
 from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
-from meshforge.simulate.calibrate import fit_link
+from meshforge.simulate.calibrate import cost_under_load, fit_link
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -121,3 +121,17 @@ def test_fit_recovers_a_known_link():
     link, error = fit_link(4, timings)
     assert link.latency_s == pytest.approx(truth.latency_s) and link.bandwidth_Bps == pytest.approx(2e9)
     assert error == pytest.approx(0, abs=1e-9)
+
+
+def test_a_collective_is_timed_as_what_it_adds_behind_compute():
+    """cost_under_load on a clock that a burst moves 5 ms and the collective 2 ms: 2 ms each, the
+    bursts' own time taken out, the group synchronised before each loop; a cost lost in noise
+    (the loop with the collective faster) is floored, not zero or negative."""
+    now, synced = [0.0], []
+
+    def advance(seconds):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    cost = cost_under_load(advance(2e-3), advance(5e-3), lambda: synced.append(now[0]), 10, lambda: now[0])
+    assert cost == pytest.approx(2e-3) and len(synced) == 2
+    assert cost_under_load(advance(0), advance(5e-3), lambda: None, 10, lambda: now[0]) == 1e-6

@@ -122,9 +122,15 @@ def test_fsdp_traffic_is_the_parameters_once_each_way(works):
 
     assert traffic("all_gather", ["0:F0"]) == params_bytes  # the forward gathers every parameter
     assert traffic("reduce_scatter", list(costs)) == params_bytes  # the gradients go back once
-    groups = {tuple(c[2]) for p in costs for c in costs[p]["collectives"]}
-    assert groups == {(0, 1)}  # the dp_shard group
-    assert all(c[3] for p in costs for c in costs[p]["collectives"])  # FSDP's own: overlappable
+    fsdp = [c for p in costs if p != "sync" for c in costs[p]["collectives"]]
+    assert {tuple(c[2]) for c in fsdp} == {(0, 1)}  # the dp_shard group
+    assert all(c[3] for c in fsdp)  # FSDP's own: overlappable
+    # between backward and optimizer, what the trainer waits on: the token count over dp, the
+    # gradient norm over the shards (one partial norm per parameter, stacked), the loss and stop
+    # flag over every rank (2 floats); each once, blocking
+    n_params = len(list(_meta_model(debug()).parameters()))
+    sync = sorted((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in costs["sync"]["collectives"])
+    assert sync == [("all_reduce", n, (0, 1), False, 1) for n in sorted((4, 4 * n_params, 8))]
 
 
 def test_tp_collectives_are_blocking_on_the_tp_group(works):

@@ -1,9 +1,11 @@
 """`meshforge tune --calibrate`: measure this machine's hardware profile (CPU ranks, gloo).
 
 One rank alone measures the compute rates, as `Profile` holds them (the step-time model divides
-them between the ranks that share the cores); then `world` ranks measure the links with every
-group of a size running its collective at once, as a step runs them, so the links include the
-ranks' contention for the cores. Both run in processes forked from the rank server
+them between the ranks that share the cores); then `world` ranks measure the links as a step
+meets them: every group of a size running its collective at once, each rank computing between
+two collectives, so a collective's time includes the wait of a rank woken by its peers' data for
+a core that computing ranks hold (8 ranks on 2 cores here: a group of 2's latency 3.7 ms, where
+ranks doing nothing else measured 0.7 ms). Both run in processes forked from the rank server
 (run/launch/rank_server.py): never from this process, whose OpenMP pool may not survive a fork,
 and no interpreter start per rank.
 """
@@ -45,6 +47,7 @@ MEMORY_BYTES = 16 << 20  # per tensor of c = a + b: 3 x this moved, well past th
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 WARMUP, REPEATS = 2, 7
+LOADED_REPEATS = 16  # bursts timed with and without the collective after each
 TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of the terminal
 
 
@@ -161,6 +164,32 @@ def _median_seconds(op: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
+def cost_under_load(
+    op: Callable[[], object],
+    burst: Callable[[], object],
+    sync: Callable[[], object],
+    repeats: int = LOADED_REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds `op` adds to each of `repeats` compute `burst`s: a loop of burst then op, less a
+    loop of bursts alone (each loop started by `sync`, the group's barrier). Floored at 1 us: a
+    cost drowned by noise is small, not free (the link fit divides by it)."""
+    for _ in range(WARMUP):
+        burst()
+        op()
+    sync()
+    start = clock()
+    for _ in range(repeats):
+        burst()
+    alone = clock() - start
+    sync()
+    start = clock()
+    for _ in range(repeats):
+        burst()
+        op()
+    return max(1e-6, (clock() - start - alone) / repeats)
+
+
 def _measure_alone(rank: int, world: int, threads: int, folder: str) -> None:
     """One rank alone: matmul FLOP/s per dtype and memory-bound bytes/s, with `threads` threads."""
     torch.set_num_threads(threads)
@@ -235,13 +264,15 @@ def _dtensor_op_overhead(per_op: float, folder: str) -> float:
 
 def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
     """One of `world` ranks: for each group size, the world split into consecutive groups, each
-    group timing every collective at every size at once; rank 0 keeps the median over ranks of
-    each rank's median time."""
+    group timing every collective at every size at once, behind a compute burst (the tiny
+    layers' step) as a step's collectives sit behind its compute (cost_under_load); rank 0 keeps
+    the median over ranks."""
     torch.set_num_threads(threads)
     store = dist.FileStore(str(Path(folder, "store")), world)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
     )
+    model, x = _tiny_stack(), torch.randn(2, 8)
     cases, seconds = [], []
     for g in _groups(world):
         group, _ = dist.new_subgroups(group_size=g)
@@ -254,9 +285,8 @@ def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
                     "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=group),
                     "all_reduce": lambda: dist.all_reduce(full, group=group),
                 }[kind]
-                dist.barrier()  # every group starts together
                 cases.append((g, kind, numel * 4))
-                seconds.append(_median_seconds(op))
+                seconds.append(cost_under_load(op, lambda: model(x).sum().backward(), dist.barrier))
     mine = torch.tensor(seconds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
@@ -289,7 +319,7 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
         table.add_row(
             f"groups of {g}",
             f"{link.latency_s * 1e6:.0f} us + busbw {link.bandwidth_Bps / 1e9:.2f} GB/s",
-            f"{profile.calibrated_world // g} group(s) at once, fit to {points} timings "
+            f"{profile.calibrated_world // g} group(s) at once behind compute, fit to {points} timings "
             f"(RMS error {errors[g]:.0%})",
         )
     return table

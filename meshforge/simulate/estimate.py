@@ -90,18 +90,35 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
         lo = low["costs"].get(
             phase, {"flops": {}, "memory_bytes": 0, "ops": 0, "dtensor_ops": 0, "collectives": []}
         )
-        counts = {tuple(c[:-1]): c[-1] for c in lo["collectives"]}
-        grown = {tuple(c[:-1]): c[-1] for c in hi["collectives"]}
         costs[phase] = {
             "flops": {d: line(lo["flops"].get(d, 0.0), f) for d, f in hi["flops"].items()},
             "memory_bytes": line(lo["memory_bytes"], hi["memory_bytes"]),
             "ops": line(lo["ops"], hi["ops"]),
             "dtensor_ops": line(lo.get("dtensor_ops", 0), hi.get("dtensor_ops", 0)),
-            "collectives": [
-                [*key, line(counts.get(key, 0), grown.get(key, 0))] for key in {**counts, **grown}
-            ],
+            "collectives": _grow_collectives(lo["collectives"], hi["collectives"], line),
         }
     return {**high, "costs": costs}
+
+
+def _grow_collectives(low: list, high: list, line) -> list:
+    """Collectives at the real depth: a block's repeat, so each (kind, bytes, group, overlapped)
+    grows in count; one whose size grows with depth instead (the gradient norm's, a float per
+    parameter) has no twin of its size at the other depth: matched by kind, group and count, its
+    bytes grow."""
+    counts = {tuple(c[:-1]): c[-1] for c in low}
+    grown = {tuple(c[:-1]): c[-1] for c in high}
+    out = [[*key, line(counts[key], grown[key])] for key in counts.keys() & grown.keys()]
+    lone = [key for key in counts if key not in grown]
+    for key in (k for k in grown if k not in counts):
+        twin = next(
+            (k for k in lone if (k[0], *k[2:]) == (key[0], *key[2:]) and counts[k] == grown[key]), None
+        )
+        if twin is None:
+            out.append([*key, line(0, grown[key])])
+            continue
+        lone.remove(twin)
+        out.append([key[0], round(line(twin[1], key[1])), *key[2:], grown[key]])
+    return out + [[*key, line(counts[key], 0)] for key in lone]
 
 
 def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False, paired: bool = True):

@@ -55,6 +55,9 @@ COLLECTIVES = {
 # FSDP's own collectives run beside compute (prefetched all-gathers, reduce-scatters behind the
 # backward); DTensor's (TP, CP, EP: functional collectives) sit on the critical path
 OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_}
+# phases whose collectives the step waits on whatever op they use: the token count, gradient norm
+# and loss between backward and optimizer (trace.py's "sync")
+BLOCKING_PHASES = {"sync"}
 
 # `tensor.device` reaches a dispatch mode as prim.device on a fake tensor (autograd and checkpointing
 # ask it: most of a traced step's local dispatches) but is an attribute read on a real one: counted
@@ -108,7 +111,8 @@ class CostRecorder(TorchDispatchMode):
         if func is DEVICE:  # the commonest dispatch of a trace, and free: no search of its arguments
             return func(*args, **kwargs)
         leaves = tree_leaves((args, kwargs))
-        cost = self.phases[self.phase() or "setup"]
+        phase = self.phase() or "setup"
+        cost = self.phases[phase]
         n = self.repeat
         if any(isinstance(t, DTensor) for t in leaves):
             cost.dtensor_ops += n
@@ -120,7 +124,8 @@ class CostRecorder(TorchDispatchMode):
             sized = out if index == -1 else args[index]
             sized = sized[0] if isinstance(sized, list | tuple) else sized
             group = _group_ranks(_group_arg(func, args, kwargs))
-            cost.collectives[(kind, tensor_bytes(sized), group, packet in OVERLAPPED)] += n
+            overlapped = packet in OVERLAPPED and phase not in BLOCKING_PHASES
+            cost.collectives[(kind, tensor_bytes(sized), group, overlapped)] += n
         elif func.is_view or packet in FREE or not any(isinstance(t, torch.Tensor) for t in leaves):
             pass
         elif packet in flop_registry or packet in _CPU_ATTENTION:

@@ -82,7 +82,7 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     timelines, totals = {}, {}
     for pp_rank, work in works.items():
         phases = {p: phase_time(c, profile, overlap) for p, c in work["costs"].items()}
-        tail = [phases[p] for p in ("reduce", "optimizer") if p in phases]
+        tail = [phases[p] for p in ("reduce", "sync", "optimizer") if p in phases]
         timelines[pp_rank] = [
             *_actions(work, phases, grad_accum, dims.pp_enabled),
             Action(TAIL, sum(t.compute_s for t in tail), sum(t.exposed_comm_s for t in tail)),
