@@ -10,6 +10,7 @@ from meshforge.core.errors import RecipeError, UsageError
 from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
 from meshforge.simulate.calibrate import cost_under_load, fit_link
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
+from meshforge.simulate.host_probes import dtensor_op_overhead, op_overhead
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -135,3 +136,29 @@ def test_a_collective_is_timed_as_what_it_adds_behind_compute():
     cost = cost_under_load(advance(2e-3), advance(5e-3), lambda: synced.append(now[0]), 10, lambda: now[0])
     assert cost == pytest.approx(2e-3) and len(synced) == 2
     assert cost_under_load(advance(0), advance(5e-3), lambda: None, 10, lambda: now[0]) == 1e-6
+
+
+@pytest.mark.parametrize("noise", [0.2, 5.0])
+def test_fit_leaves_out_a_timing_that_noise_moved(noise):
+    """A timing behind compute is a difference of two loops: one that noise cut to a fifth (or
+    made 5x) is left out wherever it falls, and the link is the truth (least squares on all of
+    them put the latency up to two thirds low, or found no bandwidth when a 4 MiB timing was cut)."""
+    truth = Link(3e-3, 3e8)
+    timings = [
+        (kind, n, truth.latency_s + n * factor / truth.bandwidth_Bps)
+        for kind, factor in (("all_gather", 1 / 2), ("all_reduce", 1.0), ("reduce_scatter", 1 / 2))
+        for n in (4 * KIB, 64 * KIB, 512 * KIB, 4 * MIB)
+    ]
+    for i, (kind, n, seconds) in enumerate(timings):
+        link, error = fit_link(2, [*timings[:i], (kind, n, seconds * noise), *timings[i + 1 :]])
+        assert link.latency_s == pytest.approx(truth.latency_s, rel=1e-6), (kind, n)
+        assert link.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-6), (kind, n)
+        assert error > 0.2  # the left-out timing still counts in the error reported
+
+
+def test_a_dtensor_op_costs_the_host_more_than_a_local_op():
+    """The DTensor probe (a TP block's sharding propagation and redistribution on a fake 2-rank
+    mesh) runs here and prices a DTensor op above a plain op: its work is Python on top."""
+    per_op = op_overhead()
+    assert 0 < per_op < 1e-3
+    assert dtensor_op_overhead(per_op) > per_op

@@ -35,7 +35,13 @@ from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import measure_cpu_matmul_flops, usable_cores
 from meshforge.simulate.hardware import Link, Profile, algorithm_factor, load_profile, save_profile
-from meshforge.simulate.op_costs import CostRecorder, PhaseCost
+from meshforge.simulate.host_probes import (
+    WARMUP,
+    dtensor_op_overhead,
+    median_seconds,
+    op_overhead,
+    tiny_stack,
+)
 
 # (m, k, n) of a small transformer's matmuls: q/k/v/o projections, an MLP up-projection, a
 # long-sequence attention product. A dtype's rate is the median over them: one rate stands for
@@ -46,8 +52,7 @@ MATMUL_DTYPES = ("float32", "bfloat16")  # float16: CPUs have no fp16 matmul uni
 MEMORY_BYTES = 16 << 20  # per tensor of c = a + b: 3 x this moved, well past the caches
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-WARMUP, REPEATS = 2, 7
-LOADED_REPEATS = 16  # bursts timed with and without the collective after each
+LOADED_REPEATS = 32  # bursts timed with and without the collective after each
 TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of the terminal
 
 
@@ -109,20 +114,42 @@ def calibrate(world: int, threads_per_rank: int, out: Path | None, console: Cons
 def fit_link(group_size: int, timings: list[tuple[str, int, float]]) -> tuple[Link, float]:
     """latency + bytes x factor / bandwidth fitted to (kind, full-buffer bytes, seconds) timings by
     least squares on the *relative* error, so the small sizes fix the latency and the large ones
-    the bandwidth (absolute residuals would let the 4 MiB timings drown the latency). Returns the
-    link and the fit's RMS relative error."""
+    the bandwidth (absolute residuals would let the 4 MiB timings drown the latency). A timing
+    behind compute is a difference of two loops, which noise can halve: while the fit misses a
+    timing by over 50% (or finds no bandwidth), the one timing whose absence fits the rest best is
+    left out, up to a quarter of them. Returns the link and the RMS relative error over all."""
     x = np.array([n * algorithm_factor(kind, group_size) for kind, n, _ in timings])
     t = np.array([seconds for _, _, seconds in timings])
-    (latency, per_byte), *_ = np.linalg.lstsq(np.stack([1 / t, x / t], axis=1), np.ones_like(t), rcond=None)
-    if latency < 0:  # noise below a tiny latency: fit the bandwidth alone
-        latency, per_byte = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    kept = np.arange(len(t))
+    latency, per_byte = _relative_fit(x, t)
+    for _ in range(len(t) // 4):
+        if per_byte > 0 and np.abs((latency + per_byte * x[kept]) / t[kept] - 1).max() <= 0.5:
+            break
+        kept = min(
+            (np.delete(kept, i) for i in range(len(kept))),
+            key=lambda rest: _rms_miss(x[rest], t[rest], *_relative_fit(x[rest], t[rest])),
+        )
+        latency, per_byte = _relative_fit(x[kept], t[kept])
     if per_byte <= 0:
         raise RunError(
             f"calibration: collectives on groups of {group_size} took no longer for large buffers than "
             "for small ones; the machine was too busy to measure: calibrate again when it is quieter"
         )
-    error = float(np.sqrt(np.mean(((latency + per_byte * x) / t - 1) ** 2)))
-    return Link(float(latency), float(1 / per_byte)), error
+    return Link(latency, 1 / per_byte), _rms_miss(x, t, latency, per_byte)
+
+
+def _rms_miss(x: np.ndarray, t: np.ndarray, latency: float, per_byte: float) -> float:
+    """The RMS relative error of a link on timings; infinite for one without a bandwidth."""
+    return float(np.sqrt(np.mean(((latency + per_byte * x) / t - 1) ** 2))) if per_byte > 0 else np.inf
+
+
+def _relative_fit(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """(latency, seconds per byte) minimising the relative error; the bandwidth alone when noise
+    puts the latency below zero."""
+    (latency, per_byte), *_ = np.linalg.lstsq(np.stack([1 / t, x / t], axis=1), np.ones_like(t), rcond=None)
+    if latency < 0:
+        return 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    return float(latency), float(per_byte)
 
 
 def _groups(world: int) -> list[int]:
@@ -151,17 +178,6 @@ def _launch(target: Callable[[int, int, int, str], None], world: int, threads: i
         why = f"exit code {code}" if code is not None else f"still running after {TIMEOUT_S} s"
         raise RunError(f"calibration: rank {r} of {world} failed ({why}); its error is above")
     return json.loads((folder / "result.json").read_text())
-
-
-def _median_seconds(op: Callable[[], object]) -> float:
-    for _ in range(WARMUP):
-        op()
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def cost_under_load(
@@ -198,68 +214,20 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str) -> None:
         rates = []
         for m, k, n in SHAPES:
             a, b = torch.randn(m, k, dtype=DTYPES[name]), torch.randn(k, n, dtype=DTYPES[name])
-            rates.append(2 * m * k * n / _median_seconds(lambda: torch.mm(a, b)))
+            rates.append(2 * m * k * n / median_seconds(lambda: torch.mm(a, b)))
         matmul[name] = statistics.median(rates)
     a, b, c = (torch.ones(MEMORY_BYTES // 4) for _ in range(3))
-    memory = 3 * MEMORY_BYTES / _median_seconds(lambda: torch.add(a, b, out=c))
+    memory = 3 * MEMORY_BYTES / median_seconds(lambda: torch.add(a, b, out=c))
     # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's
     peak = {name: measure_cpu_matmul_flops(dtype=DTYPES[name]) for name in MATMUL_DTYPES}
     result = {
         "matmul_flops": matmul,
         "memory_Bps": memory,
         "peak_flops": peak,
-        "op_overhead_s": (per_op := _op_overhead()),
-        "dtensor_op_overhead_s": _dtensor_op_overhead(per_op, folder),
+        "op_overhead_s": (per_op := op_overhead()),
+        "dtensor_op_overhead_s": dtensor_op_overhead(per_op),
     }
     Path(folder, "result.json").write_text(json.dumps(result))
-
-
-def _tiny_stack() -> torch.nn.Module:
-    """Layers too small for their arithmetic to count: what is timed is the host's work per op."""
-    layers = [
-        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.SiLU()) for _ in range(16)
-    ]
-    return torch.nn.Sequential(*layers)
-
-
-def _host_seconds_per_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, PhaseCost]:
-    """The median seconds of a forward and backward of `model`, and what CostRecorder counts in it."""
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    recorder = CostRecorder(lambda: "step")
-    with recorder:
-        step()
-    return _median_seconds(step), recorder.phases["step"]
-
-
-def _op_overhead() -> float:
-    """Seconds of host work per op of a training step, on ops too small for their arithmetic to
-    count: a forward and backward of a stack of tiny linear/norm/activation layers, over the ops
-    op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this)."""
-    seconds, cost = _host_seconds_per_step(_tiny_stack(), torch.randn(2, 8))
-    return seconds / cost.ops
-
-
-def _dtensor_op_overhead(per_op: float, folder: str) -> float:
-    """Seconds of host work per op on DTensors beyond its local ops: the same tiny stack with its
-    parameters and input replicated DTensors on a 1-rank mesh (DTensor's dispatch, no
-    communication), less its local ops at `per_op`, over the DTensor ops counted."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
-
-    store = dist.FileStore(str(Path(folder, "dtensor-store")), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        model = distribute_module(_tiny_stack(), mesh)
-        seconds, cost = _host_seconds_per_step(
-            model, distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])
-        )
-    finally:
-        dist.destroy_process_group()
-    return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
 
 
 def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
@@ -272,7 +240,7 @@ def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
     )
-    model, x = _tiny_stack(), torch.randn(2, 8)
+    model, x = tiny_stack(), torch.randn(2, 8)
     cases, seconds = [], []
     for g in _groups(world):
         group, _ = dist.new_subgroups(group_size=g)
@@ -313,7 +281,7 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
     table.add_row(
         "per DTensor op",
         f"{profile.dtensor_op_overhead_s * 1e6:.1f} us",
-        "the same on DTensors, beyond their local ops",
+        "a TP block's DTensor ops (fake 2-rank mesh), beyond their local ops",
     )
     for g, link in sorted(profile.links.items()):
         table.add_row(

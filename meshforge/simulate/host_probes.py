@@ -1,0 +1,107 @@
+"""The host's work per op, timed on models too small for their arithmetic to count: what
+`meshforge tune --calibrate` prices each op (and each op on DTensors) of a traced step at."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshforge.simulate.op_costs import CostRecorder, PhaseCost
+
+WARMUP, REPEATS = 2, 7
+
+
+def median_seconds(op: Callable[[], object]) -> float:
+    """The median of REPEATS timings of `op`, after WARMUP untimed calls."""
+    for _ in range(WARMUP):
+        op()
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def tiny_stack() -> torch.nn.Module:
+    """Layers too small for their arithmetic to count: what is timed is the host's work per op."""
+    layers = [
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.SiLU()) for _ in range(16)
+    ]
+    return torch.nn.Sequential(*layers)
+
+
+def _host_seconds_per_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, PhaseCost]:
+    """The median seconds of a forward and backward of `model`, and what CostRecorder counts in it."""
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    recorder = CostRecorder(lambda: "step")
+    with recorder:
+        step()
+    return median_seconds(step), recorder.phases["step"]
+
+
+def op_overhead() -> float:
+    """Seconds of host work per op of a training step, on ops too small for their arithmetic to
+    count: a forward and backward of a stack of tiny linear/norm/activation layers, over the ops
+    op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this)."""
+    seconds, cost = _host_seconds_per_step(tiny_stack(), torch.randn(2, 8))
+    return seconds / cost.ops
+
+
+def dtensor_op_overhead(per_op: float) -> float:
+    """Seconds of host work per op on DTensors beyond its local ops, as a tensor-parallel step pays
+    it: blocks planned as parallelisms/tp.py plans a transformer's (a sequence-parallel norm,
+    column- then row-wise linears back to sequence shards) on rank 0 of a 2-rank mesh under
+    torch's fake process group, so DTensor's sharding propagation and redistribution run in full
+    and its collectives do nothing. Less its local ops at `per_op`, over the DTensor ops counted.
+    (Replicated DTensors on a 1-rank mesh, the probe until 2026-12-04, read ~6x less: DTensor
+    skips most of its work there; fits to measured runs had found the same factor.)"""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        plan = {}
+        for i in range(len(_TPStack.WIDTHS)):
+            plan[f"blocks.{i}.norm"] = SequenceParallel(sequence_dim=0)
+            plan[f"blocks.{i}.up"] = ColwiseParallel(input_layouts=Shard(0))
+            plan[f"blocks.{i}.down"] = RowwiseParallel(output_layouts=Shard(0))
+        model = parallelize_module(_TPStack(), mesh, plan)
+        seconds, cost = _host_seconds_per_step(model, torch.randn(2, 8))  # this rank's sequence shard
+    finally:
+        dist.destroy_process_group()
+    return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
+
+
+class _TPStack(torch.nn.Module):
+    """Residual blocks of norm, up- and down-projection: tiny, so the host's work is what is timed."""
+
+    WIDTHS = (16,) * 8  # each block's hidden width (the model's is 8)
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"norm": torch.nn.RMSNorm(8), "up": torch.nn.Linear(8, w), "down": torch.nn.Linear(w, 8)}
+            )
+            for w in self.WIDTHS
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b["down"](torch.nn.functional.silu(b["up"](b["norm"](x))))
+        return x
