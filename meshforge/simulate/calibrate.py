@@ -58,8 +58,8 @@ TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of 
 
 def calibrate(world: int, threads_per_rank: int, out: Path | None, console: Console) -> Profile:
     """Measure this machine, print a summary to `console`, write the profile to `out` (TOML) if
-    given, and return it. Here (2 cores) about 10 s for world 2 and 20 s for world 8, most of it
-    starting the rank server."""
+    given, and return it. Here (2 cores) about 8 s for world 2 and 40 s for world 8, most of it
+    the links timed behind compute."""
     if world < 1 or threads_per_rank < 1:
         raise UsageError(f"calibrate needs world >= 1 and threads >= 1, not {world} and {threads_per_rank}")
     start = time.perf_counter()
