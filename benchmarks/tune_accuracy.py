@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import tempfile
+from datetime import datetime, timezone
 from itertools import combinations
 from pathlib import Path
 
@@ -183,6 +184,7 @@ def main() -> None:
                     [r.step_s for r in runs],
                     [r.tokens_per_step for r in runs],
                 )
+                result[name]["measured_at"] = _measured_at(folder)
                 continue
             tune(
                 str(resolve_recipe_path(name)),
@@ -203,6 +205,12 @@ def main() -> None:
     if args.bubble_profile:
         result["bubbles"] = bubbles(args.bubble_profile)
     write({**result, **provenance()}, Path(args.out))
+
+
+def _measured_at(folder: Path) -> str:
+    """When a reused tune's runs were measured: its tune.jsonl's last change, UTC."""
+    stamp = datetime.fromtimestamp((folder / "tune.jsonl").stat().st_mtime, timezone.utc)
+    return f"{stamp:%Y-%m-%d %H:%M} UTC"
 
 
 def point_table(rows: list[dict]) -> list[str]:
@@ -240,6 +248,11 @@ def write(result: dict, out: Path) -> None:
             f"{a['predicted_best']} measured {a['predicted_best_vs_measured_best']:+.1%} tokens/s from the "
             f"measured best {a['measured_best']}",
             "",
+            *(
+                [f"Measured at {a['measured_at']}, predicted again now (a reused tune)", ""]
+                if "measured_at" in a
+                else []
+            ),
             *point_table(a["rows"]),
         ]
         if "refined" in a:

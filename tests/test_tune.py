@@ -21,7 +21,7 @@ from meshforge.run.observe import wandb_files as wf
 from meshforge.run.observe.memtrace import make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import cross_entropy_sum
-from meshforge.simulate.estimate import Extrapolated, submit_trace, trace_pool
+from meshforge.simulate.estimate import Extrapolated, _grow_collectives, submit_trace, trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.op_costs import CostRecorder
 from meshforge.simulate.schedule import recipe_schedule_order
@@ -195,6 +195,38 @@ def test_refining_a_profile_recovers_measured_steps():
 def _meta_model(recipe):
     with torch.device("meta"):
         return get_model_spec(recipe.model.name).build(args_from_config(recipe.model))
+
+
+def test_collectives_grow_in_count_or_in_bytes_with_depth():
+    """Traced at two depths a period apart, extrapolated two periods past the first: a block's
+    all-gathers grow in count; the gradient norm's all-reduce (a float per parameter) grows in
+    bytes, paired with its twin on the same group; one that appears only deeper starts from 0; a
+    shrinking size is not paired."""
+
+    def line(a: float, b: float) -> float:
+        return max(0.0, a + (b - a) * 2)  # as extrapolate_work's
+
+    low = [
+        ["all_gather", 64, (0, 1), True, 4],
+        ["all_reduce", 40, (0, 1), False, 1],
+        ["broadcast", 8, (0,), False, 1],
+    ]
+    high = [
+        ["all_gather", 64, (0, 1), True, 5],
+        ["all_reduce", 48, (0, 1), False, 1],
+        ["all_to_all", 16, (0, 1), False, 1],
+    ]
+    grown = sorted(_grow_collectives(low, high, line))
+    assert grown == [
+        ["all_gather", 64, (0, 1), True, 6],
+        ["all_reduce", 56, (0, 1), False, 1],  # 40 -> 48 -> 56 bytes, still once
+        ["all_to_all", 16, (0, 1), False, 2],  # only in the deeper trace: 0 -> 1 -> 2
+        ["broadcast", 8, (0,), False, 0],  # gone from the deeper trace
+    ]
+    shrinking = _grow_collectives(
+        [["all_reduce", 48, (0, 1), False, 1]], [["all_reduce", 40, (0, 1), False, 1]], line
+    )
+    assert sorted(shrinking) == [["all_reduce", 40, (0, 1), False, 2], ["all_reduce", 48, (0, 1), False, 0]]
 
 
 def test_a_deep_stage_extrapolates_to_its_full_trace_work():

@@ -12,6 +12,7 @@ and no interpreter start per rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -70,18 +71,7 @@ def calibrate(world: int, threads_per_rank: int, out: Path | None, console: Cons
     fits = {
         g: fit_link(g, [(kind, n, t) for size, kind, n, t in timings if size == g]) for g in _groups(world)
     }
-    # gloo's kinds differ beyond their algorithm factors (its reduce_scatter is slower): each its own fit
-    kind_links = (
-        {
-            kind: {
-                g: fit_link(g, [(k, n, t) for size, k, n, t in timings if size == g and k == kind])[0]
-                for g in fits
-            }
-            for kind in COLLECTIVES
-        }
-        if fits
-        else {}
-    )
+    kind_links = _kind_links(timings, list(fits))
     node = platform.node() or "this machine"
     cores = usable_cores()
     profile = Profile(
@@ -118,6 +108,12 @@ def fit_link(group_size: int, timings: list[tuple[str, int, float]]) -> tuple[Li
     behind compute is a difference of two loops, which noise can halve: while the fit misses a
     timing by over 50% (or finds no bandwidth), the one timing whose absence fits the rest best is
     left out, up to a quarter of them. Returns the link and the RMS relative error over all."""
+    timings = [timing for timing in timings if timing[2] > 0]  # 0: noise drowned it (cost_under_load)
+    if len(timings) < 2:
+        raise RunError(
+            f"calibration: too few collectives on groups of {group_size} took measurably longer than the "
+            "compute around them; the machine was too busy to measure: calibrate again when it is quieter"
+        )
     x = np.array([n * algorithm_factor(kind, group_size) for kind, n, _ in timings])
     t = np.array([seconds for _, _, seconds in timings])
     kept = np.arange(len(t))
@@ -150,6 +146,19 @@ def _relative_fit(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     if latency < 0:
         return 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
     return float(latency), float(per_byte)
+
+
+def _kind_links(timings: list, groups: list[int]) -> dict[str, dict[int, Link]]:
+    """gloo's kinds differ beyond their algorithm factors (its reduce_scatter is slower): each its
+    own fit per group size, from 4 timings; where noise leaves those no bandwidth, the kind keeps
+    the size's pooled link (absent here, Profile.collective_time falls back to it)."""
+    links: dict[str, dict[int, Link]] = {}
+    for kind in COLLECTIVES:
+        for g in groups:
+            with contextlib.suppress(RunError):
+                own = [(k, n, t) for size, k, n, t in timings if size == g and k == kind]
+                links.setdefault(kind, {})[g] = fit_link(g, own)[0]
+    return links
 
 
 def _groups(world: int) -> list[int]:
@@ -188,8 +197,8 @@ def cost_under_load(
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Seconds `op` adds to each of `repeats` compute `burst`s: a loop of burst then op, less a
-    loop of bursts alone (each loop started by `sync`, the group's barrier). Floored at 1 us: a
-    cost drowned by noise is small, not free (the link fit divides by it)."""
+    loop of bursts alone, each loop started by `sync` (the world's barrier: every group starts
+    together, as a step's ranks do). 0 where noise drowned the cost: fit_link leaves it out."""
     for _ in range(WARMUP):
         burst()
         op()
@@ -203,7 +212,7 @@ def cost_under_load(
     for _ in range(repeats):
         burst()
         op()
-    return max(1e-6, (clock() - start - alone) / repeats)
+    return max(0.0, (clock() - start - alone) / repeats)
 
 
 def _measure_alone(rank: int, world: int, threads: int, folder: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -100,18 +101,23 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
     return {**high, "costs": costs}
 
 
-def _grow_collectives(low: list, high: list, line) -> list:
+def _grow_collectives(low: list, high: list, line: Callable[[float, float], float]) -> list:
     """Collectives at the real depth: a block's repeat, so each (kind, bytes, group, overlapped)
     grows in count; one whose size grows with depth instead (the gradient norm's, a float per
     parameter) has no twin of its size at the other depth: matched by kind, group and count, its
-    bytes grow."""
+    bytes larger at the deeper trace, its bytes grow."""
     counts = {tuple(c[:-1]): c[-1] for c in low}
     grown = {tuple(c[:-1]): c[-1] for c in high}
-    out = [[*key, line(counts[key], grown[key])] for key in counts.keys() & grown.keys()]
+    out = [[*key, line(counts[key], grown[key])] for key in counts if key in grown]
     lone = [key for key in counts if key not in grown]
     for key in (k for k in grown if k not in counts):
         twin = next(
-            (k for k in lone if (k[0], *k[2:]) == (key[0], *key[2:]) and counts[k] == grown[key]), None
+            (
+                k
+                for k in lone
+                if (k[0], *k[2:]) == (key[0], *key[2:]) and counts[k] == grown[key] and k[1] < key[1]
+            ),
+            None,
         )
         if twin is None:
             out.append([*key, line(0, grown[key])])

@@ -1,5 +1,6 @@
 """The host's work per op, timed on models too small for their arithmetic to count: what
-`meshforge tune --calibrate` prices each op (and each op on DTensors) of a traced step at."""
+`meshforge tune --calibrate` prices each op (and each op on DTensors) of a traced step at; and
+the median timing both it and calibrate.py's rates use."""
 
 from __future__ import annotations
 
@@ -76,12 +77,14 @@ def dtensor_op_overhead(per_op: float) -> float:
     try:
         mesh = init_device_mesh("cpu", (2,))
         plan = {}
-        for i in range(len(_TPStack.WIDTHS)):
+        for i in range(_TPStack.BLOCKS):
             plan[f"blocks.{i}.norm"] = SequenceParallel(sequence_dim=0)
             plan[f"blocks.{i}.up"] = ColwiseParallel(input_layouts=Shard(0))
             plan[f"blocks.{i}.down"] = RowwiseParallel(output_layouts=Shard(0))
         model = parallelize_module(_TPStack(), mesh, plan)
-        seconds, cost = _host_seconds_per_step(model, torch.randn(2, 8))  # this rank's sequence shard
+        seconds, cost = _host_seconds_per_step(
+            model, torch.randn(2, _TPStack.DIM)
+        )  # this rank's sequence shard
     finally:
         dist.destroy_process_group()
     return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
@@ -90,15 +93,16 @@ def dtensor_op_overhead(per_op: float) -> float:
 class _TPStack(torch.nn.Module):
     """Residual blocks of norm, up- and down-projection: tiny, so the host's work is what is timed."""
 
-    WIDTHS = (16,) * 8  # each block's hidden width (the model's is 8)
+    BLOCKS, DIM, HIDDEN = 8, 8, 16
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
+        d, h = self.DIM, self.HIDDEN
         self.blocks = torch.nn.ModuleList(
             torch.nn.ModuleDict(
-                {"norm": torch.nn.RMSNorm(8), "up": torch.nn.Linear(8, w), "down": torch.nn.Linear(w, 8)}
+                {"norm": torch.nn.RMSNorm(d), "up": torch.nn.Linear(d, h), "down": torch.nn.Linear(h, d)}
             )
-            for w in self.WIDTHS
+            for _ in range(self.BLOCKS)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """A training step's time, predicted from the traced work of each role (op_costs) and a hardware
 profile (hardware.py), before anything runs. `meshforge tune` ranks layouts by it.
 
-Per phase of a rank's step (an action of its schedule, the gradient reduction, the optimizer):
+Per phase of a rank's step (an action of its schedule, the gradient reduction, the collectives the
+step waits on before its update (`sync`), the optimizer):
     compute  = sum over dtypes of matmul FLOPs / matmul rate
                + bytes the other ops move / memory bandwidth + ops x host cost per op
                + DTensor ops x DTensor's host cost per op
@@ -15,10 +16,11 @@ previous stage's forward, the next stage's backward, plus the send between them)
 the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
 profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
 ranks leave their cores to the others (processor sharing). The step ends with every rank's
-reduction and optimizer step (the gradient norm synchronises them).
+reduction, its sync collectives (the gradient norm's and the loss's synchronise the ranks) and
+optimizer step.
 
-Ignored (said where the tune prints): the gradient-norm and loss all-reduces (a few scalars), the
-data loader, the host work between steps, and kernel overlap inside a phase.
+Ignored (said where the tune prints): clipping's multiply, the data loader, the host work between
+steps, and kernel overlap inside a phase.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     return StepPrediction(span, compute, comm, exposed, max(0.0, bubble))
 
 
-TAIL = (-1, "tail", 0)  # the reduction and optimizer step after a rank's schedule
+TAIL = (-1, "tail", 0)  # the reduction, sync collectives and optimizer step after a rank's schedule
 
 
 def _actions(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelined: bool) -> list[Action]:

@@ -1,6 +1,7 @@
 """One rank's training step traced on fake tensors: its peak memory by category, and each
-phase's (every forward and backward of the rank's schedule, the gradient reduction, the optimizer
-step). What `meshforge estimate` runs per role (estimate.py); see its module doc."""
+phase's (every forward and backward of the rank's schedule, the gradient reduction, the step's
+own collectives before its update, the optimizer step). What `meshforge estimate` runs per role
+(estimate.py); see its module doc."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meshforge.configs import Recipe
 from meshforge.core.tensors import local_tensor
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config
+from meshforge.models.moe import has_experts
 from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.cp import forget_cached_tensors
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
+from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories, phase_peak_categories
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, clip_grad_norm, cross_entropy_sum
@@ -49,6 +53,10 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             for part in pmodel.parts
         ]
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
+        with _disable_current_modes():  # its groups come from the mesh's rank table, a real tensor
+            tied = tie_across_stages(
+                pmodel.parts, pmodel.stage_ids, meshes.root, recipe.pp, torch.device("cpu")
+            )
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         offloaded = _sharded_states(pmodel.parts, optimizers)  # before a step leaves params unsharded
         tracker = make_tracker(pmodel.parts, optimizers)
@@ -68,7 +76,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
             tracker.phase = "sync"
-            _step_collectives(dims, meshes, pmodel.parts)
+            _step_collectives(dims, meshes, pmodel.parts, tied, args_from_config(recipe.model))
             tracker.phase = "optimizer"
             for opt in optimizers:
                 _step_once_per_shape(opt, recorder if work else None)
@@ -86,17 +94,22 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
         return traced
 
 
-def _step_collectives(dims: ParallelDims, meshes, parts: list) -> None:
-    """The step's own collectives between its backward and optimizer, as trainer._step runs them:
-    the token count over dp, the gradient norm (each mesh's, then across stages) and the loss
-    with the stop flag over every rank. Scalars, but each a blocking collective: on 8 ranks
-    sharing 2 cores, a group of 8's took ~18 ms (tune --calibrate)."""
+def _step_collectives(dims: ParallelDims, meshes, parts: list, tied, args) -> None:
+    """What trainer._step runs around its clipping, collectives the step waits on: the token count
+    over dp (before the forwards in a run: here, where the step model prices it alike), a weight
+    tied across pipeline stages summing its gradient's copies, the gradient norm (each mesh's
+    partial norms, a float per parameter, then across stages) and the loss, stop flag and MoE
+    statistics over every rank. Small, but each blocks: a group of 8's took ~15 ms on 8 ranks
+    sharing 2 cores (tune --calibrate). Clipping's multiply is not traced (max_norm 0: no host
+    read of the fake norm)."""
     if dims.dp > 1:
         dist.all_reduce(torch.zeros(()), group=meshes.dp.get_group())
+    tied.sync_grads()
     params = [p for part in parts for p in part.parameters()]
     pp_group = meshes.pp.get_group() if dims.pp_enabled else None
-    clip_grad_norm(params, 0.0, pp_group)  # max_norm 0: no host read of the fake norm
-    dist.all_reduce(torch.zeros(2))
+    clip_grad_norm(params, 0.0, pp_group, skip=tied.norm_skips())
+    moe_floats = args.n_layers * (args.num_experts + 2) if has_experts(args) else 0
+    dist.all_reduce(torch.zeros(2 + moe_floats))
 
 
 def trace_depths(recipes: list[Recipe], rank: int, work: bool = True) -> list[dict]:
