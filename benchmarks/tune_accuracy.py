@@ -250,7 +250,8 @@ def write(result: dict, out: Path) -> None:
             "",
             *(
                 [
-                    f"Measured at {a['measured_at']}, predicted again later with the code and profile above (a reused tune)",
+                    f"Measured at {a['measured_at']}, predicted again later with the code and profile "
+                    "above (a reused tune)",
                     "",
                 ]
                 if "measured_at" in a
