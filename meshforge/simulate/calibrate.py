@@ -41,7 +41,7 @@ from meshforge.simulate.host_probes import (
     dtensor_op_overhead,
     median_seconds,
     op_overhead,
-    tiny_stack,
+    tiny_step,
 )
 
 # (m, k, n) of a small transformer's matmuls: q/k/v/o projections, an MLP up-projection, a
@@ -249,7 +249,7 @@ def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
     )
-    model, x = tiny_stack(), torch.randn(2, 8)
+    burst = tiny_step()
     cases, seconds = [], []
     for g in _groups(world):
         group, _ = dist.new_subgroups(group_size=g)
@@ -263,7 +263,7 @@ def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
                     "all_reduce": lambda: dist.all_reduce(full, group=group),
                 }[kind]
                 cases.append((g, kind, numel * 4))
-                seconds.append(cost_under_load(op, lambda: model(x).sum().backward(), dist.barrier))
+                seconds.append(cost_under_load(op, burst, dist.barrier))
     mine = torch.tensor(seconds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)

@@ -45,12 +45,19 @@ def tiny_stack() -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _host_seconds_per_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, PhaseCost]:
-    """The median seconds of a forward and backward of `model`, and what CostRecorder counts in it."""
+def training_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """A forward and backward of `model` on `x`."""
+    return lambda: model(x).sum().backward()
 
-    def step() -> None:
-        model(x).sum().backward()
 
+def tiny_step() -> Callable[[], None]:
+    """A forward and backward of tiny_stack: the probe of the host's work per op, and calibrate's
+    compute burst between two collectives."""
+    return training_step(tiny_stack(), torch.randn(2, 8))
+
+
+def _host_seconds_per_step(step: Callable[[], None]) -> tuple[float, PhaseCost]:
+    """The median seconds of `step`, and what CostRecorder counts in it."""
     recorder = CostRecorder(lambda: "step")
     with recorder:
         step()
@@ -61,7 +68,7 @@ def op_overhead() -> float:
     """Seconds of host work per op of a training step, on ops too small for their arithmetic to
     count: a forward and backward of a stack of tiny linear/norm/activation layers, over the ops
     op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this)."""
-    seconds, cost = _host_seconds_per_step(tiny_stack(), torch.randn(2, 8))
+    seconds, cost = _host_seconds_per_step(tiny_step())
     return seconds / cost.ops
 
 
@@ -82,9 +89,8 @@ def dtensor_op_overhead(per_op: float) -> float:
             plan[f"blocks.{i}.up"] = ColwiseParallel(input_layouts=Shard(0))
             plan[f"blocks.{i}.down"] = RowwiseParallel(output_layouts=Shard(0))
         model = parallelize_module(_TPStack(), mesh, plan)
-        seconds, cost = _host_seconds_per_step(
-            model, torch.randn(2, _TPStack.DIM)
-        )  # this rank's sequence shard
+        # this rank's sequence shard
+        seconds, cost = _host_seconds_per_step(training_step(model, torch.randn(2, _TPStack.DIM)))
     finally:
         dist.destroy_process_group()
     return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
