@@ -5,7 +5,8 @@ tensorwise against bf16 after 50 steps (speed and loss); activation checkpointin
 through per-op and memory budgets 0.7/0.5/0.3 to full (tokens/s against peak memory, the
 estimate's error on each); bf16 and float8 again at twice the batch; one profiled step's trace
 kept in the results, with its GPU time by kernel kind. `--dry-run` validates every run's recipe
-and prints its command, on any machine; `--merge` records checks made in parts (`--only`) as one.
+and prints its command, on any machine; `--merge` records checks made in parts (`--only`) as one;
+`--repredict` prices a recorded check's runs again with today's step-time model (no GPU).
 
     bash benchmarks/gpu_check.sh                    # writes benchmarks/results/gpu_check.{json,md}
     python benchmarks/gpu_check.py --steps 30 --out /tmp/gpu
@@ -400,6 +401,7 @@ def render(recorded: dict) -> list[str]:
     machine, results = recorded["machine"], recorded["runs"]
     md = [f"# GPU check ({machine['gpu']}, torch {recorded['versions']['torch']}, {recorded['date']})", ""]
     md += [recorded["note"], ""] if "note" in recorded else []
+    md += [f"Predicted steps priced again ({recorded['predicted']}).", ""] if "predicted" in recorded else []
     md += table(results) + float8_table(results) + pareto_table(results)
     profiled = results.get("llm_1b_bf16_compile_profiled", {})
     if profile := profiled.get("profile_trace"):
@@ -431,6 +433,31 @@ def merge(paths: list[str], out: Path) -> None:
     save(out, "gpu_check", merged, render(merged))
 
 
+def repredict(path: str, out: Path) -> None:
+    """A recorded check's predicted steps, priced again here with today's code and its GPU's
+    shipped profile (tune needs no GPU): the measured runs stay as they were."""
+    recorded = json.loads(Path(path).read_text())
+    profile = gpu_profile(recorded["machine"]["gpu"])
+    for r in recorded["runs"].values():
+        r.pop("prediction_error", None)
+        try:
+            r["predicted_step_s"] = predicted_step_s(r["recipe"], estimate_overrides(r["overrides"]), profile)
+        except Exception as e:  # as in run(): the run's figures still count
+            r.pop("predicted_step_s", None)
+            r["prediction_error"] = f"{type(e).__name__}: {e}"[:300]
+    recorded["predicted"] = (
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__} on the CPU, meshforge at {git_head()}"
+    )
+    save(out, "gpu_check", recorded, render(recorded))
+
+
+def git_head() -> str:
+    """The commit the working tree is at ('+' when it has changes)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO)
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30, help="steps of each run (the offload run takes a third)")
@@ -451,9 +478,17 @@ def main() -> int:
         metavar="JSON",
         help="write recorded parts (gpu_check.json files) as one; no GPU",
     )
+    p.add_argument(
+        "--repredict",
+        metavar="JSON",
+        help="price a recorded check's runs again with today's code and shipped profile; no GPU",
+    )
     a = p.parse_args()
     if a.merge:
         merge(a.merge, Path(a.out))
+        return 0
+    if a.repredict:
+        repredict(a.repredict, Path(a.out))
         return 0
     names = a.only.split(",") if a.only else list(RUNS)
     if a.dry_run:

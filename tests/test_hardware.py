@@ -5,13 +5,15 @@ tune fixture)."""
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 
 from meshforge.core.errors import RecipeError, RunError, UsageError
 from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
-from meshforge.simulate.calibrate import cost_under_load, fit_link
+from meshforge.simulate.calibrate import calibrate, cost_under_load
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, op_overhead
+from meshforge.simulate.link_fit import fit_link
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -176,3 +178,12 @@ def test_a_dtensor_op_costs_the_host_more_than_a_local_op():
         per_op, per_dtensor_op = pool.submit(_probe_host_costs).result()
     assert 0 < per_op < 1e-3
     assert per_dtensor_op > per_op
+
+
+def test_calibrating_gpus_refuses_links_it_cannot_measure():
+    """On a GPU, --calibrate measures one GPU's compute; NCCL links are not measured: a world of
+    more is refused with the way round it, before any process starts."""
+    with pytest.raises(
+        UsageError, match=r"--world 4 on GPUs: measuring NCCL links is not implemented.*--world 1"
+    ):
+        calibrate(4, 1, None, Console(), device="cuda")

@@ -151,14 +151,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from meshforge.configs import load_config
     from meshforge.experiments.refine import refined_profile
     from meshforge.experiments.tune import tune
+    from meshforge.run.launch.distributed import pick_device_type
     from meshforge.simulate.calibrate import local_profile
 
     recipe_arg, overrides = _split_positionals(args.items)
     path = resolve_recipe_path(recipe_arg)
     world = _world_for(path, overrides, args.world)
-    profile = local_profile(args.profile, args.calibrate, args.profile_out, world, console)
+    device = pick_device_type(load_config(path, overrides)[0].train.device)  # what --calibrate measures
+    profile = local_profile(args.profile, args.calibrate, args.profile_out, world, console, device)
     if args.calibrate_from:
         profile = refined_profile(profile, [Path(p) for p in args.calibrate_from], console)
     tune_dir = Path(args.tune_dir) if args.tune_dir else None

@@ -260,7 +260,7 @@ def untraced_caveats(recipe: Recipe) -> list[str]:
 
 
 def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> Table:
-    fits = f"fits in {limit} GiB" if limit else "fit not judged (no device memory)"
+    fits = f"fits in {limit:.1f} GiB" if limit else "fit not judged (no device memory)"
     table = Table(title=f"tune: predicted on {profile.name}, highest tokens/s first ({fits})")
     for col in ("#", "point", "step s", "tokens/s/device", "MFU", "peak GiB", "bubble", "comm share"):
         table.add_column(col, justify="left" if col == "point" else "right")

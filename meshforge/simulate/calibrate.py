@@ -1,4 +1,5 @@
-"""`meshforge tune --calibrate`: measure this machine's hardware profile (CPU ranks, gloo).
+"""`meshforge tune --calibrate`: measure this machine's hardware profile (CPU ranks and gloo, or
+one GPU's compute).
 
 One rank alone measures the compute rates, as `Profile` holds them (the step-time model divides
 them between the ranks that share the cores); then `world` ranks measure the links as a step
@@ -7,12 +8,12 @@ two collectives, so a collective's time includes the wait of a rank woken by its
 a core that computing ranks hold (8 ranks on 2 cores here: a group of 2's latency 3.7 ms, where
 ranks doing nothing else measured 0.7 ms). Both run in processes forked from the rank server
 (run/launch/rank_server.py): never from this process, whose OpenMP pool may not survive a fork,
-and no interpreter start per rank.
+and no interpreter start per rank. On a GPU (the recipe's device) one rank measures the GPU's
+compute at a transformer's sizes; links between GPUs (NCCL) are not measured yet.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
@@ -34,8 +35,8 @@ from rich.table import Table
 from meshforge.core.errors import RunError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
-from meshforge.run.observe.flops import measure_cpu_matmul_flops, usable_cores
-from meshforge.simulate.hardware import Link, Profile, algorithm_factor, load_profile, save_profile
+from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops, usable_cores
+from meshforge.simulate.hardware import Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import (
     WARMUP,
     dtensor_op_overhead,
@@ -43,6 +44,7 @@ from meshforge.simulate.host_probes import (
     op_overhead,
     tiny_step,
 )
+from meshforge.simulate.link_fit import fit_kind_links, fit_link
 
 # (m, k, n) of a small transformer's matmuls: q/k/v/o projections, an MLP up-projection, a
 # long-sequence attention product. A dtype's rate is the median over them: one rate stands for
@@ -51,27 +53,38 @@ from meshforge.simulate.host_probes import (
 SHAPES = ((2048, 256, 256), (2048, 256, 1024), (512, 512, 2048))
 MATMUL_DTYPES = ("float32", "bfloat16")  # float16: CPUs have no fp16 matmul units (flops.py)
 MEMORY_BYTES = 16 << 20  # per tensor of c = a + b: 3 x this moved, well past the caches
+# a GPU: llm_1b's matmuls at 8,192 tokens (dim 2,048, MLP 8,192, a 32,768-column slice of the
+# output layer), each timing a loop of GPU_CALLS (a wait for the GPU costs ~10 us), tensors of
+# 1 GiB: past a 60 MB L2 many times over
+GPU_SHAPES = ((8192, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048), (8192, 2048, 32768))
+GPU_MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+GPU_MEMORY_BYTES, GPU_CALLS = 1 << 30, 10
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 LOADED_REPEATS = 32  # bursts timed with and without the collective after each
 TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of the terminal
 
 
-def calibrate(world: int, threads_per_rank: int, out: Path | None, console: Console) -> Profile:
+def calibrate(
+    world: int, threads_per_rank: int, out: Path | None, console: Console, device: str = "cpu"
+) -> Profile:
     """Measure this machine, print a summary to `console`, write the profile to `out` (TOML) if
     given, and return it. Here (2 cores) about 8 s for world 2 and 40 s for world 8, most of it
     the links timed behind compute."""
     if world < 1 or threads_per_rank < 1:
         raise UsageError(f"calibrate needs world >= 1 and threads >= 1, not {world} and {threads_per_rank}")
+    if device == "cuda":
+        return _calibrate_gpu(world, out, console)
     start = time.perf_counter()
-    start_rank_server()
     with tempfile.TemporaryDirectory(prefix="meshforge-calibrate-") as tmp:
-        rates = _launch(_measure_alone, 1, threads_per_rank, Path(tmp) / "alone")
-        timings = _launch(_measure_links, world, threads_per_rank, Path(tmp) / "links") if world > 1 else []
+        rates = _launch(_measure_alone, 1, threads_per_rank, Path(tmp) / "alone", "cpu")
+        timings = (
+            _launch(_measure_links, world, threads_per_rank, Path(tmp) / "links", "cpu") if world > 1 else []
+        )
     fits = {
         g: fit_link(g, [(kind, n, t) for size, kind, n, t in timings if size == g]) for g in _groups(world)
     }
-    kind_links = _kind_links(timings, list(fits))
+    kind_links = fit_kind_links(timings, list(fits), COLLECTIVES)
     node = platform.node() or "this machine"
     cores = usable_cores()
     profile = Profile(
@@ -93,72 +106,48 @@ def calibrate(world: int, threads_per_rank: int, out: Path | None, console: Cons
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
     )
-    if out is not None:
-        save_profile(profile, out)
-    console.print(_summary(profile, {g: err for g, (_, err) in fits.items()}, len(SIZES) * len(COLLECTIVES)))
-    where = f"; written to {out}" if out is not None else ""
-    console.print(f"calibrated in {time.perf_counter() - start:.0f} s{where}", highlight=False)
+    _keep(profile, out, console, start, {g: err for g, (_, err) in fits.items()})
     return profile
 
 
-def fit_link(group_size: int, timings: list[tuple[str, int, float]]) -> tuple[Link, float]:
-    """latency + bytes x factor / bandwidth fitted to (kind, full-buffer bytes, seconds) timings by
-    least squares on the *relative* error, so the small sizes fix the latency and the large ones
-    the bandwidth (absolute residuals would let the 4 MiB timings drown the latency). A timing
-    behind compute is a difference of two loops, which noise can halve: while the fit misses a
-    timing by over 50% (or finds no bandwidth), the one timing whose absence fits the rest best is
-    left out, up to a quarter of them. Returns the link and the RMS relative error over all."""
-    timings = [timing for timing in timings if timing[2] > 0]  # 0: noise drowned it (cost_under_load)
-    if len(timings) < 2:
-        raise RunError(
-            f"calibration: too few collectives on groups of {group_size} took measurably longer than the "
-            "compute around them; the machine was too busy to measure: calibrate again when it is quieter"
+def _calibrate_gpu(world: int, out: Path | None, console: Console) -> Profile:
+    """One GPU's compute: matmul rates per dtype, HBM bandwidth, the host's work per op. The
+    profile has no links: tune prices a layout of one GPU, and refuses more until [links.N]
+    tables are added (a shipped profile's, or nccl-tests' busbw for this cluster)."""
+    if world > 1:
+        fix = (
+            "calibrate with --world 1 (one GPU's compute), then copy [links.N] and [inter_node] from a "
+            "shipped profile (h100, h200) or from nccl-tests' bus bandwidths into the file it writes"
         )
-    x = np.array([n * algorithm_factor(kind, group_size) for kind, n, _ in timings])
-    t = np.array([seconds for _, _, seconds in timings])
-    kept = np.arange(len(t))
-    latency, per_byte = _relative_fit(x, t)
-    for _ in range(len(t) // 4):
-        if per_byte > 0 and np.abs((latency + per_byte * x[kept]) / t[kept] - 1).max() <= 0.5:
-            break
-        kept = min(
-            (np.delete(kept, i) for i in range(len(kept))),
-            key=lambda rest: _rms_miss(x[rest], t[rest], *_relative_fit(x[rest], t[rest])),
+        raise UsageError(
+            f"--calibrate --world {world} on GPUs: measuring NCCL links is not implemented; {fix}"
         )
-        latency, per_byte = _relative_fit(x[kept], t[kept])
-    if per_byte <= 0:
-        raise RunError(
-            f"calibration: collectives on groups of {group_size} took no longer for large buffers than "
-            "for small ones; the machine was too busy to measure: calibrate again when it is quieter"
-        )
-    return Link(latency, 1 / per_byte), _rms_miss(x, t, latency, per_byte)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="meshforge-calibrate-") as tmp:
+        rates = _launch(_measure_alone, 1, 1, Path(tmp) / "alone", "cuda")
+    name = rates.pop("device_name")
+    profile = Profile(
+        name=name,
+        source=(
+            f"measured by meshforge tune --calibrate on one {name} of {platform.node() or 'this machine'} "
+            f"at {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}: compute only, "
+            "no links (add [links.N] tables for layouts of several GPUs)"
+        ),
+        ranks_per_node=rates.pop("device_count"),
+        calibrated_world=1,
+        **rates,
+    )
+    _keep(profile, out, console, start, {})
+    return profile
 
 
-def _rms_miss(x: np.ndarray, t: np.ndarray, latency: float, per_byte: float) -> float:
-    """The RMS relative error of a link on timings; infinite for one without a bandwidth."""
-    return float(np.sqrt(np.mean(((latency + per_byte * x) / t - 1) ** 2))) if per_byte > 0 else np.inf
-
-
-def _relative_fit(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
-    """(latency, seconds per byte) minimising the relative error; the bandwidth alone when noise
-    puts the latency below zero."""
-    (latency, per_byte), *_ = np.linalg.lstsq(np.stack([1 / t, x / t], axis=1), np.ones_like(t), rcond=None)
-    if latency < 0:
-        return 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
-    return float(latency), float(per_byte)
-
-
-def _kind_links(timings: list, groups: list[int]) -> dict[str, dict[int, Link]]:
-    """gloo's kinds differ beyond their algorithm factors (its reduce_scatter is slower): each its
-    own fit per group size, from 4 timings; where noise leaves those no bandwidth, the kind keeps
-    the size's pooled link (absent here, Profile.collective_time falls back to it)."""
-    links: dict[str, dict[int, Link]] = {}
-    for kind in COLLECTIVES:
-        for g in groups:
-            with contextlib.suppress(RunError):
-                own = [(k, n, t) for size, k, n, t in timings if size == g and k == kind]
-                links.setdefault(kind, {})[g] = fit_link(g, own)[0]
-    return links
+def _keep(profile: Profile, out: Path | None, console: Console, start: float, errors: dict) -> None:
+    """Write the profile to `out` (if given) and print its summary."""
+    if out is not None:
+        save_profile(profile, out)
+    console.print(_summary(profile, errors, len(SIZES) * len(COLLECTIVES)))
+    where = f"; written to {out}" if out is not None else ""
+    console.print(f"calibrated in {time.perf_counter() - start:.0f} s{where}", highlight=False)
 
 
 def _groups(world: int) -> list[int]:
@@ -166,12 +155,15 @@ def _groups(world: int) -> list[int]:
     return [g for g in range(2, world + 1) if world % g == 0]
 
 
-def _launch(target: Callable[[int, int, int, str], None], world: int, threads: int, folder: Path) -> Any:
-    """Run `target(rank, world, threads, folder)` in `world` processes forked from the rank server;
-    rank 0 leaves its result in folder/result.json, which is returned."""
+def _launch(target: Callable[..., None], world: int, threads: int, folder: Path, device: str) -> Any:
+    """Run `target(rank, world, threads, folder, device)` in `world` processes forked from the rank
+    server; rank 0 leaves its result in folder/result.json, which is returned."""
     folder.mkdir()
+    start_rank_server()  # a GPU rank too: the server has imported torch but never touched CUDA
     context = multiprocessing.get_context("forkserver")
-    ranks = [context.Process(target=target, args=(r, world, threads, str(folder))) for r in range(world)]
+    ranks = [
+        context.Process(target=target, args=(r, world, threads, str(folder), device)) for r in range(world)
+    ]
     for p in ranks:
         p.start()
     deadline = time.monotonic() + TIMEOUT_S
@@ -215,31 +207,48 @@ def cost_under_load(
     return max(0.0, (clock() - start - alone) / repeats)
 
 
-def _measure_alone(rank: int, world: int, threads: int, folder: str) -> None:
-    """One rank alone: matmul FLOP/s per dtype and memory-bound bytes/s, with `threads` threads."""
+def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str) -> None:
+    """One rank alone: matmul FLOP/s per dtype and memory-bound bytes/s (with `threads` threads
+    on a CPU), and the host's work per op."""
     torch.set_num_threads(threads)
-    matmul = {}
-    for name in MATMUL_DTYPES:
-        rates = []
-        for m, k, n in SHAPES:
-            a, b = torch.randn(m, k, dtype=DTYPES[name]), torch.randn(k, n, dtype=DTYPES[name])
-            rates.append(2 * m * k * n / median_seconds(lambda: torch.mm(a, b)))
-        matmul[name] = statistics.median(rates)
-    a, b, c = (torch.ones(MEMORY_BYTES // 4) for _ in range(3))
-    memory = 3 * MEMORY_BYTES / median_seconds(lambda: torch.add(a, b, out=c))
-    # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's
-    peak = {name: measure_cpu_matmul_flops(dtype=DTYPES[name]) for name in MATMUL_DTYPES}
-    result = {
-        "matmul_flops": matmul,
-        "memory_Bps": memory,
-        "peak_flops": peak,
-        "op_overhead_s": (per_op := op_overhead()),
-        "dtensor_op_overhead_s": dtensor_op_overhead(per_op),
+    gpu = device == "cuda"
+    shapes, dtypes = (GPU_SHAPES, GPU_MATMUL_DTYPES) if gpu else (SHAPES, MATMUL_DTYPES)
+    calls, nbytes = (GPU_CALLS, GPU_MEMORY_BYTES) if gpu else (1, MEMORY_BYTES)
+    matmul = {
+        name: statistics.median(_matmul_rate(s, name, device, calls) for s in shapes) for name in dtypes
     }
+    memory = _memory_rate(nbytes, device, calls)
+    result = {"matmul_flops": matmul, "memory_Bps": memory, "op_overhead_s": (per_op := op_overhead(device))}
+    # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
+    # local ops at a CPU op's cost
+    result["dtensor_op_overhead_s"] = dtensor_op_overhead(op_overhead() if gpu else per_op)
+    if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
+        gpu_device = torch.device("cuda", 0)
+        peaks = {name: gpu_peak_flops(gpu_device, name) for name in dtypes}
+        result["peak_flops"] = {name: peak for name, peak in peaks.items() if peak}
+        result["device_name"] = torch.cuda.get_device_name(gpu_device)
+        result["device_count"] = torch.cuda.device_count()
+        result["device_memory_gib"] = torch.cuda.get_device_properties(gpu_device).total_memory / 2**30
+    else:  # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's
+        result["peak_flops"] = {name: measure_cpu_matmul_flops(dtype=DTYPES[name]) for name in dtypes}
     Path(folder, "result.json").write_text(json.dumps(result))
 
 
-def _measure_links(rank: int, world: int, threads: int, folder: str) -> None:
+def _matmul_rate(shape: tuple[int, int, int], dtype: str, device: str, calls: int) -> float:
+    """FLOP/s of an (m, k) x (k, n) product (its operands freed on return: 2 GiB at a GPU's sizes)."""
+    m, k, n = shape
+    a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
+    b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
+    return 2 * m * k * n / median_seconds(lambda: torch.mm(a, b), device, calls)
+
+
+def _memory_rate(nbytes: int, device: str, calls: int) -> float:
+    """Bytes/s read and written by c = a + b on float32 tensors of `nbytes` each."""
+    a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
+    return 3 * nbytes / median_seconds(lambda: torch.add(a, b, out=c), device, calls)
+
+
+def _measure_links(rank: int, world: int, threads: int, folder: str, device: str) -> None:
     """One of `world` ranks: for each group size, the world split into consecutive groups, each
     group timing every collective at every size at once, behind a compute burst (the tiny
     layers' step) as a step's collectives sit behind its compute (cost_under_load); rank 0 keeps
@@ -278,13 +287,17 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
     table = Table(title=f"hardware profile {profile.name}", title_justify="left")
     for column in ("measured", "rate", "how"):
         table.add_column(column)
-    alone = f"one rank alone, {profile.threads_per_rank} thread(s)"
+    gpu = profile.shared_cores == 0
+    alone = "one GPU" if gpu else f"one rank alone, {profile.threads_per_rank} thread(s)"
+    shapes, nbytes = (GPU_SHAPES, GPU_MEMORY_BYTES) if gpu else (SHAPES, MEMORY_BYTES)
     for dtype, rate in profile.matmul_flops.items():
         table.add_row(
-            f"matmul {dtype}", f"{rate / 1e9:.1f} GFLOP/s", f"median of {len(SHAPES)} shapes, {alone}"
+            f"matmul {dtype}", f"{rate / 1e9:.1f} GFLOP/s", f"median of {len(shapes)} shapes, {alone}"
         )
     table.add_row(
-        "memory-bound", f"{profile.memory_Bps / 1e9:.2f} GB/s", f"c = a + b on 16 MiB tensors, {alone}"
+        "memory-bound",
+        f"{profile.memory_Bps / 1e9:.2f} GB/s",
+        f"c = a + b on {nbytes >> 20} MiB tensors, {alone}",
     )
     table.add_row("host work per op", f"{profile.op_overhead_s * 1e6:.1f} us", f"tiny layers' step, {alone}")
     table.add_row(
@@ -303,12 +316,12 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
 
 
 def local_profile(
-    name: str | None, recalibrate: bool, out: str | None, world: int, console: Console
+    name: str | None, recalibrate: bool, out: str | None, world: int, console: Console, device: str = "cpu"
 ) -> Profile:
     """The profile `meshforge tune` prices with: `name` (shipped or a file), or this machine's for
-    `world` ranks, calibrated now (`recalibrate`, or the first time) and kept at `out` (default
-    ./meshforge-profile-<host>-w<world>.toml) for the next tune. Ranks get the threads a run gives
-    them (train.cpu_threads = 0: the cores over the local ranks)."""
+    `world` ranks on `device` (the recipe's), calibrated now (`recalibrate`, or the first time) and
+    kept at `out` (default ./meshforge-profile-<host>-w<world>.toml) for the next tune. CPU ranks
+    get the threads a run gives them (train.cpu_threads = 0: the cores over the local ranks)."""
     if name and recalibrate:
         raise UsageError(f"--profile {name} and --calibrate: pick one (--calibrate measures this machine)")
     if name:
@@ -319,4 +332,4 @@ def local_profile(
             f"hardware profile: {path} (calibrated earlier; --calibrate measures again)", highlight=False
         )
         return load_profile(path)
-    return calibrate(world, max(1, (os.cpu_count() or 1) // world), path, console)
+    return calibrate(world, max(1, (os.cpu_count() or 1) // world), path, console, device)

@@ -25,15 +25,21 @@ from meshforge.simulate.op_costs import CostRecorder, PhaseCost
 WARMUP, REPEATS = 2, 7
 
 
-def median_seconds(op: Callable[[], object]) -> float:
-    """The median of REPEATS timings of `op`, after WARMUP untimed calls."""
+def median_seconds(op: Callable[[], object], device: str = "cpu", calls: int = 1) -> float:
+    """Seconds per call of `op`: the median of REPEATS timings of `calls` calls each, after WARMUP
+    untimed ones. On a GPU each timing waits for the device (kernels launch ahead of it), so
+    `calls` > 1 keeps that wait's own cost out of short ops."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(WARMUP):
         op()
+    sync()
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            op()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
@@ -50,25 +56,26 @@ def training_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]
     return lambda: model(x).sum().backward()
 
 
-def tiny_step() -> Callable[[], None]:
+def tiny_step(device: str = "cpu") -> Callable[[], None]:
     """A forward and backward of tiny_stack: the probe of the host's work per op, and calibrate's
     compute burst between two collectives."""
-    return training_step(tiny_stack(), torch.randn(2, 8))
+    return training_step(tiny_stack().to(device), torch.randn(2, 8, device=device))
 
 
-def _host_seconds_per_step(step: Callable[[], None]) -> tuple[float, PhaseCost]:
+def _host_seconds_per_step(step: Callable[[], None], device: str = "cpu") -> tuple[float, PhaseCost]:
     """The median seconds of `step`, and what CostRecorder counts in it."""
     recorder = CostRecorder(lambda: "step")
     with recorder:
         step()
-    return median_seconds(step), recorder.phases["step"]
+    return median_seconds(step, device), recorder.phases["step"]
 
 
-def op_overhead() -> float:
+def op_overhead(device: str = "cpu") -> float:
     """Seconds of host work per op of a training step, on ops too small for their arithmetic to
     count: a forward and backward of a stack of tiny linear/norm/activation layers, over the ops
-    op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this)."""
-    seconds, cost = _host_seconds_per_step(tiny_step())
+    op_costs.CostRecorder counts in it (the same count the step-time model multiplies by this).
+    On a GPU the tiny kernels run faster than the host launches them: what is timed is the host."""
+    seconds, cost = _host_seconds_per_step(tiny_step(device), device)
     return seconds / cost.ops
 
 

@@ -27,13 +27,20 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 aten, c10d, functional = torch.ops.aten, torch.ops.c10d, torch.ops._c10d_functional
 
+
+def _per_query_head(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
+    """A key or value's shape with the query's heads: grouped-query attention computes each query
+    head against its group's key (torch before 2.13 asserts equal heads in its formulas)."""
+    return (kv.shape[0], q.shape[1], *kv.shape[2:])
+
+
 # torch's CPU flash attention is missing from its FLOP registry: the same formula as its CUDA twins
 _CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
-        q.shape, k.shape, v.shape
+        q.shape, _per_query_head(q, k), _per_query_head(q, v)
     ),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, **kw: (
-        sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape)
+        sdpa_backward_flop_count(g.shape, q.shape, _per_query_head(q, k), _per_query_head(q, v))
     ),
 }
 
@@ -104,18 +111,23 @@ class CostRecorder(TorchDispatchMode):
         super().__init__()
         self.phase = phase
         self.phases: dict[str, PhaseCost] = defaultdict(PhaseCost)
-        self.repeat = 1  # each op counted this many times (one of several like parameters stepped)
+        self.paused = False  # ops run uncounted (a step traced for its memory, priced by another)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is DEVICE:  # the commonest dispatch of a trace, and free: no search of its arguments
             return func(*args, **kwargs)
+        if self.paused:
+            return (
+                NotImplemented
+                if any(isinstance(t, DTensor) for t in tree_leaves(args))
+                else func(*args, **kwargs)
+            )
         leaves = tree_leaves((args, kwargs))
         phase = self.phase() or "setup"
         cost = self.phases[phase]
-        n = self.repeat
         if any(isinstance(t, DTensor) for t in leaves):
-            cost.dtensor_ops += n
+            cost.dtensor_ops += 1
             return NotImplemented  # DTensor runs it; its local ops come back here
         out = func(*args, **kwargs)
         packet = func._overloadpacket
@@ -125,21 +137,32 @@ class CostRecorder(TorchDispatchMode):
             sized = sized[0] if isinstance(sized, list | tuple) else sized
             group = _group_ranks(_group_arg(func, args, kwargs))
             overlapped = packet in OVERLAPPED and phase not in BLOCKING_PHASES
-            cost.collectives[(kind, tensor_bytes(sized), group, overlapped)] += n
+            cost.collectives[(kind, tensor_bytes(sized), group, overlapped)] += 1
         elif func.is_view or packet in FREE or not any(isinstance(t, torch.Tensor) for t in leaves):
             pass
         elif packet in flop_registry or packet in _CPU_ATTENTION:
             formula = _CPU_ATTENTION.get(packet) or flop_registry[packet]
-            cost.flops[str(args[0].dtype).removeprefix("torch.")] += n * formula(*args, **kwargs, out_val=out)
-            cost.ops += n
+            cost.flops[str(args[0].dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
+            cost.ops += 1
         else:
             moved = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            cost.memory_bytes += n * sum(tensor_bytes(t) for t in moved)
-            cost.ops += n
+            cost.memory_bytes += sum(tensor_bytes(t) for t in moved + _written_in_place(func, args, out))
+            cost.ops += 1
         return out
 
     def result(self) -> dict[str, dict]:
         return {phase: cost.as_dict() for phase, cost in self.phases.items()}
+
+
+def _written_in_place(func, args, out) -> list[torch.Tensor]:
+    """The tensors an op that returns nothing writes (its schema's `Tensor(a!)` arguments): a
+    foreach or fused op updates its lists in place, and each element is read and written."""
+    if not (out is None or (isinstance(out, list | tuple) and not out)):
+        return []  # an op with outputs (an in-place one returns its input): they count the write
+    written = [
+        a for a, arg in zip(args, func._schema.arguments) if arg.alias_info and arg.alias_info.is_write
+    ]
+    return [t for t in tree_leaves(written) if isinstance(t, torch.Tensor)]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -11,6 +11,9 @@ step waits on before its update (`sync`), the optimizer):
                                                               all-gathers, reduce-scatters behind)
              = compute + comm                                 on CPU ranks (gloo's copies and
                                                               reductions run on the same cores)
+On a GPU the host's part of compute (ops x host cost) runs ahead of the device instead: the step
+is the longer of the device's timeline and the busiest rank's host work over the whole step (a
+model too small to keep the GPU busy is as fast as its host dispatches).
 Pipelines: every pp rank's actions in its schedule's order, each waiting for what it needs (the
 previous stage's forward, the next stage's backward, plus the send between them): the makespan is
 the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
@@ -36,13 +39,15 @@ class PhaseTime:
     matmul_s: float  # the matmuls' part of it
     comm_s: float  # every collective's time
     exposed_comm_s: float  # the part of comm_s not hidden behind compute (on a GPU)
+    host_s: float = 0.0  # on a GPU: the host's dispatch, ahead of the device (in compute_s on a CPU)
 
 
 def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
-    """One phase's compute and communication (module doc)."""
+    """One phase's compute and communication (module doc); `overlap`: a GPU's (FSDP's collectives
+    beside compute, the host ahead of the device)."""
     matmul = sum(f / profile.matmul_rate(d) for d, f in cost["flops"].items())
     host = cost["ops"] * profile.op_overhead_s + cost.get("dtensor_ops", 0) * profile.dtensor_op_overhead_s
-    compute = matmul + cost["memory_bytes"] / profile.memory_Bps + host
+    compute = matmul + cost["memory_bytes"] / profile.memory_Bps + (0.0 if overlap else host)
     hidden = blocking = 0.0
     for kind, nbytes, ranks, overlapped, count in cost["collectives"]:
         crosses = len({r // profile.ranks_per_node for r in ranks}) > 1
@@ -52,7 +57,7 @@ def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
         else:
             blocking += t
     exposed = blocking + max(0.0, hidden - compute)
-    return PhaseTime(compute, matmul, blocking + hidden, exposed)
+    return PhaseTime(compute, matmul, blocking + hidden, exposed, host if overlap else 0.0)
 
 
 @dataclasses.dataclass
@@ -81,10 +86,10 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     """The step time of a layout from its roles' traced work (`works`: pp rank -> trace `work`;
     one role without pipelining), `grad_accum` microbatches per step without pipelining."""
     overlap = profile.shared_cores == 0
-    timelines, totals = {}, {}
+    timelines, totals, hosts = {}, {}, {}
     for pp_rank, work in works.items():
         phases = {p: phase_time(c, profile, overlap) for p, c in work["costs"].items()}
-        tail = [phases[p] for p in ("reduce", "sync", "optimizer") if p in phases]
+        tail = [phases[p] for p in TAIL_PHASES if p in phases]
         timelines[pp_rank] = [
             *_actions(work, phases, grad_accum, dims.pp_enabled),
             Action(TAIL, sum(t.compute_s for t in tail), sum(t.exposed_comm_s for t in tail)),
@@ -93,6 +98,9 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
         totals[pp_rank] = [
             sum(getattr(t, f) for t in every) for f in ("compute_s", "comm_s", "exposed_comm_s")
         ]
+        schedule_host = sum(t.host_s for p, t in phases.items() if p not in TAIL_PHASES)
+        repeats = grad_accum - 1 if dims.pp_enabled else 0  # the schedule again per microbatch (below)
+        hosts[pp_rank] = sum(t.host_s for t in every) + repeats * schedule_host
     send = 0.0
     if dims.pp_enabled:
         stride = dims.world_size // dims.pp  # pp is the outermost mesh dim
@@ -106,10 +114,12 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
         span += (grad_accum - 1) * schedule_span
     bubble = 1 - sum(busy.values()) / (schedule_span * len(ends)) if dims.pp_enabled else 0.0
     compute, comm, exposed = max(totals.values(), key=lambda t: t[0] + t[2])
-    return StepPrediction(span, compute, comm, exposed, max(0.0, bubble))
+    # a GPU's host runs ahead of the device: the step waits for the busier (0 on CPU ranks)
+    return StepPrediction(max(span, *hosts.values()), compute, comm, exposed, max(0.0, bubble))
 
 
 TAIL = (-1, "tail", 0)  # the reduction, sync collectives and optimizer step after a rank's schedule
+TAIL_PHASES = ("reduce", "sync", "optimizer")
 
 
 def _actions(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelined: bool) -> list[Action]:
