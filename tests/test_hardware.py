@@ -14,6 +14,7 @@ from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, op_overhead
 from meshforge.simulate.link_fit import fit_link
+from meshforge.simulate.step_time import phase_time
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -72,6 +73,7 @@ def test_save_and_load_round_trip(tmp_path):
         op_overhead_s=12e-6,
         dtensor_op_overhead_s=40e-6,
         peak_flops={"float32": 2e11},
+        attention_flops={"float32": 6e10},
         kind_links={"reduce_scatter": {2: Link(20e-6, 5e8), 8: Link(90e-6, 4e8)}},
     )
     for profile in (load_profile("h200"), calibrated):
@@ -187,3 +189,14 @@ def test_calibrating_gpus_refuses_links_it_cannot_measure():
         UsageError, match=r"--world 4 on GPUs: measuring NCCL links is not implemented.*--world 1"
     ):
         calibrate(4, 1, None, Console(), device="cuda")
+
+
+def test_attention_is_priced_at_its_own_rate_else_the_matmuls():
+    """Flash attention reaches less of a GPU than a GEMM (an H200: llm_1b's SDPA step at ~0.4 of the
+    matmul rate); a profile without an attention rate prices it as a matmul."""
+    cost = {"flops": {"float32": 1e11}, "attention_flops": {"float32": 6e10}, "memory_bytes": 0, "ops": 0}
+    cost["collectives"] = []
+    with_rate = small_profile(attention_flops={"float32": 2e10})
+    assert phase_time(cost, with_rate, overlap=True).compute_s == pytest.approx(1 + 3)
+    assert phase_time(cost, with_rate, overlap=True).matmul_s == pytest.approx(1)  # ZB's W split: matmuls
+    assert phase_time(cost, small_profile(), overlap=True).compute_s == pytest.approx(1 + 0.6)

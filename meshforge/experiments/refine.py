@@ -63,6 +63,7 @@ def scaled(profile: Profile, factors: dict[str, float]) -> Profile:
     return dataclasses.replace(
         profile,
         matmul_flops={d: r * factors["matmul"] for d, r in profile.matmul_flops.items()},
+        attention_flops={d: r * factors["matmul"] for d, r in profile.attention_flops.items()},
         memory_Bps=profile.memory_Bps * factors["memory"],
         op_overhead_s=profile.op_overhead_s * factors["op_host"],
         dtensor_op_overhead_s=profile.dtensor_op_overhead_s * factors["dtensor_host"],

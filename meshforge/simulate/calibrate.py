@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
@@ -45,6 +46,7 @@ from meshforge.simulate.host_probes import (
     tiny_step,
 )
 from meshforge.simulate.link_fit import fit_kind_links, fit_link
+from meshforge.simulate.op_costs import CostRecorder
 
 # (m, k, n) of a small transformer's matmuls: q/k/v/o projections, an MLP up-projection, a
 # long-sequence attention product. A dtype's rate is the median over them: one rate stands for
@@ -59,6 +61,9 @@ MEMORY_BYTES = 16 << 20  # per tensor of c = a + b: 3 x this moved, well past th
 GPU_SHAPES = ((8192, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048), (8192, 2048, 32768))
 GPU_MATMUL_DTYPES = ("float32", "bfloat16", "float16")
 GPU_MEMORY_BYTES, GPU_CALLS = 1 << 30, 10
+# causal grouped-query attention, forward and backward: (batch, query heads, kv heads, sequence,
+# head dim) of the shrunk llm_1b (CPU) and of llm_1b (GPU)
+ATTENTION_SHAPE, GPU_ATTENTION_SHAPE = (2, 8, 2, 128, 32), (2, 32, 8, 4096, 64)
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 LOADED_REPEATS = 32  # bursts timed with and without the collective after each
@@ -95,6 +100,7 @@ def calibrate(
             f"world {world}, {threads_per_rank} thread(s) per rank"
         ),
         matmul_flops=rates["matmul_flops"],
+        attention_flops=rates["attention_flops"],
         memory_Bps=rates["memory_Bps"],
         ranks_per_node=world,
         shared_cores=cores,
@@ -218,7 +224,10 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
         name: statistics.median(_matmul_rate(s, name, device, calls) for s in shapes) for name in dtypes
     }
     memory = _memory_rate(nbytes, device, calls)
-    result = {"matmul_flops": matmul, "memory_Bps": memory, "op_overhead_s": (per_op := op_overhead(device))}
+    attention_shape = GPU_ATTENTION_SHAPE if gpu else ATTENTION_SHAPE
+    attention = {name: _attention_rate(attention_shape, name, device) for name in dtypes}
+    result = {"matmul_flops": matmul, "attention_flops": attention, "memory_Bps": memory}
+    result["op_overhead_s"] = per_op = op_overhead(device)
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops at a CPU op's cost
     result["dtensor_op_overhead_s"] = dtensor_op_overhead(op_overhead() if gpu else per_op)
@@ -240,6 +249,27 @@ def _matmul_rate(shape: tuple[int, int, int], dtype: str, device: str, calls: in
     a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
     b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
     return 2 * m * k * n / median_seconds(lambda: torch.mm(a, b), device, calls)
+
+
+def _attention_rate(shape: tuple[int, ...], dtype: str, device: str) -> float:
+    """FLOP/s of causal grouped-query SDPA's forward and backward, as the model calls it, its FLOPs
+    counted as the trace counts them (CostRecorder: torch's registry, no discount for the mask)."""
+    batch, heads, kv_heads, seq, head_dim = shape
+
+    def tensor(h: int) -> torch.Tensor:
+        return torch.randn(batch, h, seq, head_dim, dtype=DTYPES[dtype], device=device, requires_grad=True)
+
+    q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
+    grad = torch.randn(batch, heads, seq, head_dim, dtype=DTYPES[dtype], device=device)
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
+
+    recorder = CostRecorder(lambda: "attention")
+    with recorder:
+        step()
+    flops = sum(recorder.phases["attention"].attention_flops.values())
+    return flops / median_seconds(step, device, GPU_CALLS if device == "cuda" else 1)
 
 
 def _memory_rate(nbytes: int, device: str, calls: int) -> float:
@@ -293,6 +323,12 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
     for dtype, rate in profile.matmul_flops.items():
         table.add_row(
             f"matmul {dtype}", f"{rate / 1e9:.1f} GFLOP/s", f"median of {len(shapes)} shapes, {alone}"
+        )
+    for dtype, rate in profile.attention_flops.items():
+        table.add_row(
+            f"attention {dtype}",
+            f"{rate / 1e9:.1f} GFLOP/s",
+            f"causal GQA SDPA forward and backward, {alone}",
         )
     table.add_row(
         "memory-bound",

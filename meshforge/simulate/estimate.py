@@ -88,11 +88,12 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
 
     costs = {}
     for phase, hi in high["costs"].items():
-        lo = low["costs"].get(
-            phase, {"flops": {}, "memory_bytes": 0, "ops": 0, "dtensor_ops": 0, "collectives": []}
-        )
+        lo = low["costs"].get(phase, {"memory_bytes": 0, "ops": 0, "collectives": []})
         costs[phase] = {
-            "flops": {d: line(lo["flops"].get(d, 0.0), f) for d, f in hi["flops"].items()},
+            **{
+                key: {d: line(lo.get(key, {}).get(d, 0.0), f) for d, f in hi.get(key, {}).items()}
+                for key in ("flops", "attention_flops")
+            },
             "memory_bytes": line(lo["memory_bytes"], hi["memory_bytes"]),
             "ops": line(lo["ops"], hi["ops"]),
             "dtensor_ops": line(lo.get("dtensor_ops", 0), hi.get("dtensor_ops", 0)),

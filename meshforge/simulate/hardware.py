@@ -65,6 +65,13 @@ class Profile:
     # collective kind -> group size -> its own link, where one kind runs slower than the shared fit
     # (gloo's reduce_scatter); `links` otherwise
     kind_links: dict[str, dict[int, Link]] = field(default_factory=dict)
+    # compute dtype -> FLOP/s of attention (SDPA forward and backward, FLOPs as torch's registry
+    # counts them: a causal mask not discounted); a dtype without one is priced at matmul_rate
+    attention_flops: dict[str, float] = field(default_factory=dict)
+
+    def attention_rate(self, dtype: str) -> float:
+        """FLOP/s of attention in `dtype`: its own measured rate, else the matmul rate."""
+        return self.attention_flops.get(dtype) or self.matmul_rate(dtype)
 
     def matmul_rate(self, dtype: str) -> float:
         """FLOP/s of a matmul in `dtype`; a dtype the profile has no rate for is refused."""
@@ -161,6 +168,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "memory_Bps": profile.memory_Bps,
         "matmul_flops": dict(profile.matmul_flops),
         "peak_flops": dict(profile.peak_flops),
+        "attention_flops": dict(profile.attention_flops),
         "links": {str(n): _link_dict(link) for n, link in sorted(profile.links.items())},
         "kind_links": {
             kind: {str(n): _link_dict(link) for n, link in sorted(links.items())}
@@ -217,7 +225,7 @@ SCALARS = {
     "dtensor_op_overhead_s": (False, _non_negative),
     "device_memory_gib": (False, _non_negative),
 }
-TABLES = ("matmul_flops", "peak_flops", "links", "kind_links", "inter_node")
+TABLES = ("matmul_flops", "attention_flops", "peak_flops", "links", "kind_links", "inter_node")
 LINK_KEYS = {"latency_s": (True, _non_negative), "bandwidth_Bps": (True, _positive)}
 
 
@@ -263,6 +271,8 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         problems.append(Problem("matmul_flops", rates, f"a rate for one of {', '.join(DTYPES)} at least"))
     peaks = table("peak_flops", "peak FLOP/s by compute dtype")
     check_keys("peak_flops.", peaks, {dtype: (False, _positive) for dtype in DTYPES})
+    attention = table("attention_flops", "attention FLOP/s by compute dtype")
+    check_keys("attention_flops.", attention, {dtype: (False, _positive) for dtype in DTYPES})
     per_node = data.get("ranks_per_node")
 
     def sized_links(where: str, value: dict) -> dict[int, Link]:
@@ -304,6 +314,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         op_overhead_s=float(data.get("op_overhead_s", 0.0)),
         dtensor_op_overhead_s=float(data.get("dtensor_op_overhead_s", 0.0)),
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
+        attention_flops={dtype: float(rate) for dtype, rate in attention.items()},
         device_memory_gib=float(data.get("device_memory_gib", 0.0)),
         kind_links=kind_links,
     )

@@ -44,6 +44,10 @@ _CPU_ATTENTION = {
     ),
 }
 
+# attention's kernels (forward and backward, every backend; the CPU's too): priced at the
+# profile's attention rate, which flash attention reaches less of than a plain matmul does
+ATTENTION = {op for op in flop_registry if "attention" in str(op)} | set(_CPU_ATTENTION)
+
 # collective op -> (kind, index of the tensor whose size is the collective's: the gathered
 # output, the unreduced input). wait ops and views of buffers cost nothing here.
 COLLECTIVES = {
@@ -88,6 +92,7 @@ class PhaseCost:
     """One phase of a rank's step (an action of its schedule, the reduction, the optimizer)."""
 
     flops: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))  # by dtype
+    attention_flops: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
     memory_bytes: float = 0.0  # read + written by the ops that are not matmuls
     ops: int = 0  # local ops dispatched (each has a fixed host cost on top of its work)
     dtensor_ops: int = 0  # ops on DTensors: DTensor's sharding and redistribution logic, per op, on the host
@@ -97,6 +102,7 @@ class PhaseCost:
     def as_dict(self) -> dict:
         return {
             "flops": dict(self.flops),
+            "attention_flops": dict(self.attention_flops),
             "memory_bytes": self.memory_bytes,
             "ops": self.ops,
             "dtensor_ops": self.dtensor_ops,
@@ -142,7 +148,8 @@ class CostRecorder(TorchDispatchMode):
             pass
         elif packet in flop_registry or packet in _CPU_ATTENTION:
             formula = _CPU_ATTENTION.get(packet) or flop_registry[packet]
-            cost.flops[str(args[0].dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
+            counted = cost.attention_flops if packet in ATTENTION else cost.flops
+            counted[str(args[0].dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
             cost.ops += 1
         else:
             moved = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]

@@ -3,7 +3,7 @@ profile (hardware.py), before anything runs. `meshforge tune` ranks layouts by i
 
 Per phase of a rank's step (an action of its schedule, the gradient reduction, the collectives the
 step waits on before its update (`sync`), the optimizer):
-    compute  = sum over dtypes of matmul FLOPs / matmul rate
+    compute  = sum over dtypes of matmul FLOPs / matmul rate + attention FLOPs / attention rate
                + bytes the other ops move / memory bandwidth + ops x host cost per op
                + DTensor ops x DTensor's host cost per op
     comm     = sum over collectives of latency + bytes x factor / bandwidth (of its group's link)
@@ -36,7 +36,7 @@ from meshforge.simulate.hardware import Profile
 @dataclasses.dataclass(frozen=True)
 class PhaseTime:
     compute_s: float  # at the rank's full rate (alone on its device or cores), matmuls included
-    matmul_s: float  # the matmuls' part of it
+    matmul_s: float  # the matmuls' part of it (attention's not: it has no weight gradient to split off)
     comm_s: float  # every collective's time
     exposed_comm_s: float  # the part of comm_s not hidden behind compute (on a GPU)
     host_s: float = 0.0  # on a GPU: the host's dispatch, ahead of the device (in compute_s on a CPU)
@@ -46,8 +46,9 @@ def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
     """One phase's compute and communication (module doc); `overlap`: a GPU's (FSDP's collectives
     beside compute, the host ahead of the device)."""
     matmul = sum(f / profile.matmul_rate(d) for d, f in cost["flops"].items())
+    attention = sum(f / profile.attention_rate(d) for d, f in cost.get("attention_flops", {}).items())
     host = cost["ops"] * profile.op_overhead_s + cost.get("dtensor_ops", 0) * profile.dtensor_op_overhead_s
-    compute = matmul + cost["memory_bytes"] / profile.memory_Bps + (0.0 if overlap else host)
+    compute = matmul + attention + cost["memory_bytes"] / profile.memory_Bps + (0.0 if overlap else host)
     hidden = blocking = 0.0
     for kind, nbytes, ranks, overlapped, count in cost["collectives"]:
         crosses = len({r // profile.ranks_per_node for r in ranks}) > 1
