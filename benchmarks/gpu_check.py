@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from recorded import provenance, save  # benchmarks/recorded.py
+from recorded import git_head, provenance, save  # benchmarks/recorded.py
 
 from meshforge.configs import RecipeError
 from meshforge.core.units import GiB
@@ -449,13 +449,6 @@ def repredict(path: str, out: Path) -> None:
         f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__} on the CPU, meshforge at {git_head()}"
     )
     save(out, "gpu_check", recorded, render(recorded))
-
-
-def git_head() -> str:
-    """The commit the working tree is at ('+' when it has changes)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO)
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,7 +18,22 @@ def provenance(**machine_extra) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), **machine_extra},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d"),
+        "commit": git_head(),
     }
+
+
+def git_head() -> str:
+    """The commit the working tree is at ('+' when it has changes; '' outside a git checkout)."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=repo).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+" if head and git("status", "--porcelain") else "")
 
 
 def save(out: Path, name: str, result: dict, markdown: list[str]) -> None:

@@ -18,6 +18,7 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -166,6 +167,7 @@ def main() -> None:
     profile = load_profile(args.profile)
     console = Console(width=150)
     result = {"benchmark": "tune_accuracy", "profile": profile.source, "world": args.world, "axes": axes}
+    result["profile_values"] = dataclasses.asdict(profile)  # what predicted, to price again later
     folders = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.keep or tmp
@@ -235,7 +237,8 @@ def write(result: dict, out: Path) -> None:
         "# Step-time prediction vs measurement (`meshforge tune`)",
         "",
         f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
-        f"world {result['world']}, axes {result['axes'] or 'none'}; profile: {result['profile']}.",
+        f"world {result['world']}, axes {result['axes'] or 'none'}; meshforge {result.get('commit') or '?'}; "
+        f"profile: {result['profile']}.",
     ]
     for name in RECIPES:
         if name not in result or not result[name]["points"]:
