@@ -437,7 +437,9 @@ def repredict(path: str, out: Path) -> None:
     """A recorded check's predicted steps, priced again here with today's code and its GPU's
     shipped profile (tune needs no GPU): the measured runs stay as they were."""
     recorded = json.loads(Path(path).read_text())
-    profile = gpu_profile(recorded["machine"]["gpu"])
+    if (profile := gpu_profile(recorded["machine"]["gpu"])) is None:
+        gpu, shipped = recorded["machine"]["gpu"], ", ".join(SHIPPED)
+        sys.exit(f"gpu_check --repredict: no shipped profile for {gpu} (shipped: {shipped})")
     for r in recorded["runs"].values():
         r.pop("prediction_error", None)
         try:

@@ -33,7 +33,7 @@ def git_head() -> str:
             return ""
 
     head = git("rev-parse", "--short", "HEAD")
-    return head + ("+" if head and git("status", "--porcelain") else "")
+    return head + ("+" if head and git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def save(out: Path, name: str, result: dict, markdown: list[str]) -> None:

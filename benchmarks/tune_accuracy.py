@@ -166,6 +166,7 @@ def main() -> None:
     axes = {k: v.split(",") for k, _, v in (a.partition("=") for a in args.axis)}
     profile = load_profile(args.profile)
     console = Console(width=150)
+    started = provenance()  # the commit the predictions import, whatever changes during the runs
     result = {"benchmark": "tune_accuracy", "profile": profile.source, "world": args.world, "axes": axes}
     result["profile_values"] = dataclasses.asdict(profile)  # what predicted, to price again later
     folders = {}
@@ -206,7 +207,7 @@ def main() -> None:
                 result[name]["refined"] = refined
     if args.bubble_profile:
         result["bubbles"] = bubbles(args.bubble_profile)
-    write({**result, **provenance()}, Path(args.out))
+    write({**result, **started}, Path(args.out))
 
 
 def _measured_at(folder: Path) -> str:
@@ -239,6 +240,7 @@ def write(result: dict, out: Path) -> None:
         f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
         f"world {result['world']}, axes {result['axes'] or 'none'}; meshforge {result.get('commit') or '?'}; "
         f"profile: {result['profile']}.",
+        *(["", result["note"]] if "note" in result else []),
     ]
     for name in RECIPES:
         if name not in result or not result[name]["points"]:

@@ -9,12 +9,11 @@ from rich.console import Console
 
 from meshforge.core.errors import RecipeError, RunError, UsageError
 from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
-from meshforge.simulate.calibrate import calibrate, cost_under_load
+from meshforge.simulate.calibrate import calibrate, cost_under_load, local_profile
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, op_overhead
 from meshforge.simulate.link_fit import fit_link
-from meshforge.simulate.step_time import phase_time
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -182,21 +181,17 @@ def test_a_dtensor_op_costs_the_host_more_than_a_local_op():
     assert per_dtensor_op > per_op
 
 
-def test_calibrating_gpus_refuses_links_it_cannot_measure():
-    """On a GPU, --calibrate measures one GPU's compute; NCCL links are not measured: a world of
-    more is refused with the way round it, before any process starts."""
-    with pytest.raises(
-        UsageError, match=r"--world 4 on GPUs: measuring NCCL links is not implemented.*--world 1"
-    ):
+def test_calibrating_gpus_refuses_what_it_cannot_measure(monkeypatch, tmp_path):
+    """On a GPU, --calibrate measures one GPU's compute: without a CUDA device, or for a world of
+    more (NCCL links are not measured), it refuses with the way round, before any process starts;
+    a cached profile of the other kind of device is refused too (each is priced by its own model)."""
+    with pytest.raises(UsageError, match="no CUDA device: calibrate on the GPU node, or tune with --profile"):
+        calibrate(1, 1, None, Console(), device="cuda")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(UsageError, match=r"calibrating 4 GPUs: measuring NCCL links is not implemented"):
         calibrate(4, 1, None, Console(), device="cuda")
-
-
-def test_attention_is_priced_at_its_own_rate_else_the_matmuls():
-    """Flash attention reaches less of a GPU than a GEMM (an H200: llm_1b's SDPA step at ~0.4 of the
-    matmul rate); a profile without an attention rate prices it as a matmul."""
-    cost = {"flops": {"float32": 1e11}, "attention_flops": {"float32": 6e10}, "memory_bytes": 0, "ops": 0}
-    cost["collectives"] = []
-    with_rate = small_profile(attention_flops={"float32": 2e10})
-    assert phase_time(cost, with_rate, overlap=True).compute_s == pytest.approx(1 + 3)
-    assert phase_time(cost, with_rate, overlap=True).matmul_s == pytest.approx(1)  # ZB's W split: matmuls
-    assert phase_time(cost, small_profile(), overlap=True).compute_s == pytest.approx(1 + 0.6)
+    cpu_ranks = tmp_path / "cpu.toml"
+    save_profile(small_profile(shared_cores=2), cpu_ranks)
+    with pytest.raises(UsageError, match="measured CPU ranks, but the recipe runs on cuda"):
+        local_profile(None, False, str(cpu_ranks), 1, Console(), "cuda")
+    assert local_profile(None, False, str(cpu_ranks), 1, Console(), "cpu").shared_cores == 2

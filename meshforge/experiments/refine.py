@@ -2,12 +2,13 @@
 
 Each finished run (a sweep's or a tune's points, or plain runs: any folder `compare` reads) is
 traced again from the recipe it saved (its `recipe.toml`, on its world), and its steady step time
-read as `compare` reads it. Six multipliers of the profile's constants (matmul rates, memory
-bandwidth, host cost per op and per DTensor op, link latencies, link bandwidths) are fitted so the
-predicted steps match the measured ones, by least squares on log(predicted / measured): every run
-weighs the same whatever its length. A weak pull towards 1 keeps a constant the runs cannot tell
-(no collectives in one-process runs, no DTensor without TP/CP) where calibration put it. The
-step-time model itself is unchanged (step_time.py): the fit moves only its constants.
+read as `compare` reads it. Six multipliers of the profile's constants (matmul rates, attention's
+with them, memory bandwidth, host cost per op and per DTensor op, link latencies, link bandwidths)
+are fitted so the predicted steps match the measured ones, by least squares on log(predicted /
+measured): every run weighs the same whatever its length. A weak pull towards 1 keeps a constant
+the runs cannot tell (no collectives in one-process runs, no DTensor without TP/CP) where
+calibration put it. The step-time model itself is unchanged (step_time.py): the fit moves only its
+constants.
 """
 
 from __future__ import annotations

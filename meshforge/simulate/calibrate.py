@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
@@ -41,29 +39,12 @@ from meshforge.simulate.hardware import Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import (
     WARMUP,
     dtensor_op_overhead,
-    median_seconds,
     op_overhead,
     tiny_step,
 )
 from meshforge.simulate.link_fit import fit_kind_links, fit_link
-from meshforge.simulate.op_costs import CostRecorder
+from meshforge.simulate.rate_probes import CPU_PROBE, GPU_PROBE, compute_rates
 
-# (m, k, n) of a small transformer's matmuls: q/k/v/o projections, an MLP up-projection, a
-# long-sequence attention product. A dtype's rate is the median over them: one rate stands for
-# every matmul of a step, and the median is the typical one, not pulled by a shape that suits
-# (or misses) the cache.
-SHAPES = ((2048, 256, 256), (2048, 256, 1024), (512, 512, 2048))
-MATMUL_DTYPES = ("float32", "bfloat16")  # float16: CPUs have no fp16 matmul units (flops.py)
-MEMORY_BYTES = 16 << 20  # per tensor of c = a + b: 3 x this moved, well past the caches
-# a GPU: llm_1b's matmuls at 8,192 tokens (dim 2,048, MLP 8,192, a 32,768-column slice of the
-# output layer), each timing a loop of GPU_CALLS (a wait for the GPU costs ~10 us), tensors of
-# 1 GiB: past a 60 MB L2 many times over
-GPU_SHAPES = ((8192, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048), (8192, 2048, 32768))
-GPU_MATMUL_DTYPES = ("float32", "bfloat16", "float16")
-GPU_MEMORY_BYTES, GPU_CALLS = 1 << 30, 10
-# causal grouped-query attention, forward and backward: (batch, query heads, kv heads, sequence,
-# head dim) of the shrunk llm_1b (CPU) and of llm_1b (GPU)
-ATTENTION_SHAPE, GPU_ATTENTION_SHAPE = (2, 8, 2, 128, 32), (2, 32, 8, 4096, 64)
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 LOADED_REPEATS = 32  # bursts timed with and without the collective after each
@@ -120,14 +101,18 @@ def _calibrate_gpu(world: int, out: Path | None, console: Console) -> Profile:
     """One GPU's compute: matmul rates per dtype, HBM bandwidth, the host's work per op. The
     profile has no links: tune prices a layout of one GPU, and refuses more until [links.N]
     tables are added (a shipped profile's, or nccl-tests' busbw for this cluster)."""
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "the recipe runs on cuda and this machine has no CUDA device: calibrate on the GPU node, "
+            "or tune with --profile h100, h200 or a profile file"
+        )
     if world > 1:
         fix = (
-            "calibrate with --world 1 (one GPU's compute), then copy [links.N] and [inter_node] from a "
-            "shipped profile (h100, h200) or from nccl-tests' bus bandwidths into the file it writes"
+            "tune with --profile h100 or h200 as they are, or calibrate one GPU (--world 1 "
+            "--calibrate --profile-out gpu.toml), copy [links.N] and [inter_node] from a shipped "
+            "profile (or nccl-tests' bus bandwidths) into gpu.toml, and tune with --profile gpu.toml"
         )
-        raise UsageError(
-            f"--calibrate --world {world} on GPUs: measuring NCCL links is not implemented; {fix}"
-        )
+        raise UsageError(f"calibrating {world} GPUs: measuring NCCL links is not implemented; {fix}")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="meshforge-calibrate-") as tmp:
         rates = _launch(_measure_alone, 1, 1, Path(tmp) / "alone", "cuda")
@@ -162,11 +147,15 @@ def _groups(world: int) -> list[int]:
 
 
 def _launch(target: Callable[..., None], world: int, threads: int, folder: Path, device: str) -> Any:
-    """Run `target(rank, world, threads, folder, device)` in `world` processes forked from the rank
-    server; rank 0 leaves its result in folder/result.json, which is returned."""
+    """Run `target(rank, world, threads, folder, device)` in `world` processes (CPU ranks forked
+    from the rank server, a GPU's spawned); rank 0 leaves its result in folder/result.json, which
+    is returned."""
     folder.mkdir()
-    start_rank_server()  # a GPU rank too: the server has imported torch but never touched CUDA
-    context = multiprocessing.get_context("forkserver")
+    if device == "cuda":  # as run/launch/local.py starts CUDA ranks: nothing that may touch CUDA is forked
+        context = multiprocessing.get_context("spawn")
+    else:
+        start_rank_server()
+        context = multiprocessing.get_context("forkserver")
     ranks = [
         context.Process(target=target, args=(r, world, threads, str(folder), device)) for r in range(world)
     ]
@@ -214,68 +203,27 @@ def cost_under_load(
 
 
 def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str) -> None:
-    """One rank alone: matmul FLOP/s per dtype and memory-bound bytes/s (with `threads` threads
-    on a CPU), and the host's work per op."""
+    """One rank alone (with `threads` threads on a CPU; or one GPU): matmul and attention FLOP/s per
+    dtype, memory-bound bytes/s (rate_probes.py), the host's work per op and per DTensor op."""
     torch.set_num_threads(threads)
     gpu = device == "cuda"
-    shapes, dtypes = (GPU_SHAPES, GPU_MATMUL_DTYPES) if gpu else (SHAPES, MATMUL_DTYPES)
-    calls, nbytes = (GPU_CALLS, GPU_MEMORY_BYTES) if gpu else (1, MEMORY_BYTES)
-    matmul = {
-        name: statistics.median(_matmul_rate(s, name, device, calls) for s in shapes) for name in dtypes
-    }
-    memory = _memory_rate(nbytes, device, calls)
-    attention_shape = GPU_ATTENTION_SHAPE if gpu else ATTENTION_SHAPE
-    attention = {name: _attention_rate(attention_shape, name, device) for name in dtypes}
-    result = {"matmul_flops": matmul, "attention_flops": attention, "memory_Bps": memory}
+    result = compute_rates(device)
     result["op_overhead_s"] = per_op = op_overhead(device)
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops at a CPU op's cost
     result["dtensor_op_overhead_s"] = dtensor_op_overhead(op_overhead() if gpu else per_op)
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
-        peaks = {name: gpu_peak_flops(gpu_device, name) for name in dtypes}
+        peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}
         result["peak_flops"] = {name: peak for name, peak in peaks.items() if peak}
         result["device_name"] = torch.cuda.get_device_name(gpu_device)
         result["device_count"] = torch.cuda.device_count()
         result["device_memory_gib"] = torch.cuda.get_device_properties(gpu_device).total_memory / 2**30
     else:  # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's
-        result["peak_flops"] = {name: measure_cpu_matmul_flops(dtype=DTYPES[name]) for name in dtypes}
+        result["peak_flops"] = {
+            name: measure_cpu_matmul_flops(dtype=DTYPES[name]) for name in result["matmul_flops"]
+        }
     Path(folder, "result.json").write_text(json.dumps(result))
-
-
-def _matmul_rate(shape: tuple[int, int, int], dtype: str, device: str, calls: int) -> float:
-    """FLOP/s of an (m, k) x (k, n) product (its operands freed on return: 2 GiB at a GPU's sizes)."""
-    m, k, n = shape
-    a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
-    b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
-    return 2 * m * k * n / median_seconds(lambda: torch.mm(a, b), device, calls)
-
-
-def _attention_rate(shape: tuple[int, ...], dtype: str, device: str) -> float:
-    """FLOP/s of causal grouped-query SDPA's forward and backward, as the model calls it, its FLOPs
-    counted as the trace counts them (CostRecorder: torch's registry, no discount for the mask)."""
-    batch, heads, kv_heads, seq, head_dim = shape
-
-    def tensor(h: int) -> torch.Tensor:
-        return torch.randn(batch, h, seq, head_dim, dtype=DTYPES[dtype], device=device, requires_grad=True)
-
-    q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
-    grad = torch.randn(batch, heads, seq, head_dim, dtype=DTYPES[dtype], device=device)
-
-    def step() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
-
-    recorder = CostRecorder(lambda: "attention")
-    with recorder:
-        step()
-    flops = sum(recorder.phases["attention"].attention_flops.values())
-    return flops / median_seconds(step, device, GPU_CALLS if device == "cuda" else 1)
-
-
-def _memory_rate(nbytes: int, device: str, calls: int) -> float:
-    """Bytes/s read and written by c = a + b on float32 tensors of `nbytes` each."""
-    a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
-    return 3 * nbytes / median_seconds(lambda: torch.add(a, b, out=c), device, calls)
 
 
 def _measure_links(rank: int, world: int, threads: int, folder: str, device: str) -> None:
@@ -319,7 +267,8 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
         table.add_column(column)
     gpu = profile.shared_cores == 0
     alone = "one GPU" if gpu else f"one rank alone, {profile.threads_per_rank} thread(s)"
-    shapes, nbytes = (GPU_SHAPES, GPU_MEMORY_BYTES) if gpu else (SHAPES, MEMORY_BYTES)
+    probe = GPU_PROBE if gpu else CPU_PROBE
+    shapes, nbytes = probe.matmul_shapes, probe.memory_bytes
     for dtype, rate in profile.matmul_flops.items():
         table.add_row(
             f"matmul {dtype}", f"{rate / 1e9:.1f} GFLOP/s", f"median of {len(shapes)} shapes, {alone}"
@@ -356,16 +305,25 @@ def local_profile(
 ) -> Profile:
     """The profile `meshforge tune` prices with: `name` (shipped or a file), or this machine's for
     `world` ranks on `device` (the recipe's), calibrated now (`recalibrate`, or the first time) and
-    kept at `out` (default ./meshforge-profile-<host>-w<world>.toml) for the next tune. CPU ranks
+    kept at `out` (default ./meshforge-profile-<host>[-cuda]-w<world>.toml) for the next tune; one
+    measured on the other kind of device is refused (CPU ranks and a GPU are priced apart). CPU ranks
     get the threads a run gives them (train.cpu_threads = 0: the cores over the local ranks)."""
     if name and recalibrate:
         raise UsageError(f"--profile {name} and --calibrate: pick one (--calibrate measures this machine)")
     if name:
         return load_profile(name)
-    path = Path(out or f"meshforge-profile-{platform.node() or 'local'}-w{world}.toml")
+    where = "cuda-" if device == "cuda" else ""
+    path = Path(out or f"meshforge-profile-{platform.node() or 'local'}-{where}w{world}.toml")
     if path.is_file() and not recalibrate:
         console.print(
             f"hardware profile: {path} (calibrated earlier; --calibrate measures again)", highlight=False
         )
-        return load_profile(path)
+        profile = load_profile(path)
+        if (profile.shared_cores == 0) != (device == "cuda"):  # each is priced by its own model
+            measured = "CPU ranks" if profile.shared_cores else "a GPU"
+            raise UsageError(
+                f"{path} measured {measured}, but the recipe runs on {device}: --calibrate to measure "
+                "this device, or --profile another file"
+            )
+        return profile
     return calibrate(world, max(1, (os.cpu_count() or 1) // world), path, console, device)

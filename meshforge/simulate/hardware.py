@@ -71,7 +71,7 @@ class Profile:
 
     def attention_rate(self, dtype: str) -> float:
         """FLOP/s of attention in `dtype`: its own measured rate, else the matmul rate."""
-        return self.attention_flops.get(dtype) or self.matmul_rate(dtype)
+        return self.attention_flops[dtype] if dtype in self.attention_flops else self.matmul_rate(dtype)
 
     def matmul_rate(self, dtype: str) -> float:
         """FLOP/s of a matmul in `dtype`; a dtype the profile has no rate for is refused."""

@@ -1,8 +1,9 @@
-"""What one rank's traced step asks of its device, phase by phase: matmul FLOPs by dtype, bytes
-moved by the other (memory-bound) ops, how many ops it dispatches, and every collective (kind,
-bytes, the ranks of its group). Device-independent: step_time.py prices it with a hardware
-profile. Recorded by `CostRecorder` beside the memory tracker in the same traced step
-(trace.py), so the memory estimate and the time estimate read one trace.
+"""What one rank's traced step asks of its device, phase by phase: matmul FLOPs by dtype (and
+attention's apart), bytes moved by the other (memory-bound) ops, how many ops it dispatches, and
+every collective (kind, bytes, the ranks of its group). Device-independent: step_time.py prices it
+with a hardware profile. Recorded by `CostRecorder` beside the memory tracker in the same traced
+step (trace.py), so the memory estimate and the time estimate read one trace; only the optimizer
+is counted on a step of its own, the run's optimizer, stepped after the one traced for memory.
 
 Counted on the rank's local tensors: an op on DTensors is passed on (NotImplemented) to
 DTensor, whose local ops come back through the recorder, so a TP rank's matmul counts its
@@ -32,6 +33,13 @@ def _per_query_head(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
     """A key or value's shape with the query's heads: grouped-query attention computes each query
     head against its group's key (torch before 2.13 asserts equal heads in its formulas)."""
     return (kv.shape[0], q.shape[1], *kv.shape[2:])
+
+
+def sdpa_step_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """SDPA's forward and backward FLOPs on these tensors, as the trace counts them whatever the
+    backend (torch's formulas, GQA's key and value heads expanded, a causal mask not discounted)."""
+    kq, vq = _per_query_head(q, k), _per_query_head(q, v)
+    return sdpa_flop_count(q.shape, kq, vq) + sdpa_backward_flop_count(q.shape, q.shape, kq, vq)
 
 
 # torch's CPU flash attention is missing from its FLOP registry: the same formula as its CUDA twins
@@ -69,6 +77,8 @@ OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_
 # phases whose collectives the step waits on whatever op they use: the token count, gradient norm
 # and loss between backward and optimizer (trace.py's "sync")
 BLOCKING_PHASES = {"sync"}
+
+FUSED_ADAM = {aten._fused_adam_, aten._fused_adamw_}
 
 # `tensor.device` reaches a dispatch mode as prim.device on a fake tensor (autograd and checkpointing
 # ask it: most of a traced step's local dispatches) but is an attribute read on a real one: counted
@@ -123,13 +133,9 @@ class CostRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is DEVICE:  # the commonest dispatch of a trace, and free: no search of its arguments
             return func(*args, **kwargs)
-        if self.paused:
-            return (
-                NotImplemented
-                if any(isinstance(t, DTensor) for t in tree_leaves(args))
-                else func(*args, **kwargs)
-            )
         leaves = tree_leaves((args, kwargs))
+        if self.paused:
+            return NotImplemented if any(isinstance(t, DTensor) for t in leaves) else func(*args, **kwargs)
         phase = self.phase() or "setup"
         cost = self.phases[phase]
         if any(isinstance(t, DTensor) for t in leaves):
@@ -153,7 +159,9 @@ class CostRecorder(TorchDispatchMode):
             cost.ops += 1
         else:
             moved = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            cost.memory_bytes += sum(tensor_bytes(t) for t in moved + _written_in_place(func, args, out))
+            cost.memory_bytes += sum(
+                tensor_bytes(t) for t in moved + _written_in_place(func, args, kwargs, out)
+            )
             cost.ops += 1
         return out
 
@@ -161,15 +169,19 @@ class CostRecorder(TorchDispatchMode):
         return {phase: cost.as_dict() for phase, cost in self.phases.items()}
 
 
-def _written_in_place(func, args, out) -> list[torch.Tensor]:
+def _written_in_place(func, args, kwargs, out) -> list[torch.Tensor]:
     """The tensors an op that returns nothing writes (its schema's `Tensor(a!)` arguments): a
-    foreach or fused op updates its lists in place, and each element is read and written."""
+    foreach or fused op updates its lists in place, and each element is read and written. Fused
+    Adam(W)'s schema marks the gradients written, which its kernel does only to unscale them
+    (`grad_scale` given): otherwise they are read."""
     if not (out is None or (isinstance(out, list | tuple) and not out)):
         return []  # an op with outputs (an in-place one returns its input): they count the write
-    written = [
-        a for a, arg in zip(args, func._schema.arguments) if arg.alias_info and arg.alias_info.is_write
-    ]
-    return [t for t in tree_leaves(written) if isinstance(t, torch.Tensor)]
+    schema = func._schema.arguments
+    values = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema)}
+    written = [a.name for a in schema if a.alias_info and a.alias_info.is_write]
+    if func._overloadpacket in FUSED_ADAM and values.get("grad_scale") is None:
+        written.remove("grads")
+    return [t for t in tree_leaves([values[name] for name in written]) if isinstance(t, torch.Tensor)]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -83,7 +83,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             for opt in optimizers:
                 _step_once_per_shape(opt)
         if work:  # outside the tracker: this optimizer's state is no memory of the run's
-            _price_the_runs_optimizer(pmodel.parts, recipe, recorder)
+            _price_the_runs_optimizer(optimizers, recipe, recorder)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         on_device = (lambda c: off_the_device(c, offloaded)) if recipe.fsdp.cpu_offload else dict
@@ -129,11 +129,13 @@ def trace_depths(recipes: list[Recipe], rank: int, work: bool = True) -> list[di
     return traces
 
 
-def _price_the_runs_optimizer(parts: list, recipe: Recipe, recorder: CostRecorder) -> None:
-    """One step of the optimizer the run builds, counted by `recorder` (fused AdamW: one kernel
-    over every parameter, where the for-loop step traced for the memory dispatches ~12 ops per
-    parameter: ~0.24 s of an H100 host's time on llm_8b at dp8-tp2, against the device's 15 ms)."""
-    optimizers = [build_optimizer(part.parameters(), recipe.optimizer) for part in parts]
+def _price_the_runs_optimizer(traced: list, recipe: Recipe, recorder: CostRecorder) -> None:
+    """One step of the optimizer the run builds over the parameters the traced ones step, counted
+    by `recorder` (fused AdamW: one kernel over every parameter, where the for-loop step traced
+    for the memory dispatches ~12 ops per parameter: ~0.24 s of an H100 host's time on llm_8b at
+    dp8-tp2, against the device's 15 ms). Its fallback is the run's to log, not each trace's."""
+    params = [[p for group in opt.param_groups for p in group["params"]] for opt in traced]
+    optimizers = [build_optimizer(ps, recipe.optimizer, quiet=True) for ps in params]
     _allocate_moments(optimizers)  # as the run's step 2 finds them, uncounted
     recorder.paused = False
     with recorder, torch.no_grad():
@@ -142,12 +144,13 @@ def _price_the_runs_optimizer(parts: list, recipe: Recipe, recorder: CostRecorde
 
 
 def _step_once_per_shape(opt: torch.optim.Optimizer) -> None:
-    """The optimizer step on one parameter of each distinct shape and sharding, its work counted
-    once per parameter like it: stepping every parameter was ~12% of a trace's time (llm_8b, 8
-    blocks, FSDP x TP). The memory is the full step's: the traced (for-loop) AdamW frees each
-    parameter's temporaries by the next one's, except its `denom`, alive until the next
-    parameter's is computed, so each representative steps beside a buffer the size of the largest
-    parameter stepped just before one like it (made in the step, so labelled as its state is)."""
+    """The optimizer step on one parameter of each distinct shape and sharding, for the step's
+    memory (its work is priced on the run's optimizer: _price_the_runs_optimizer): stepping every
+    parameter was ~12% of a trace's time (llm_8b, 8 blocks, FSDP x TP). The memory is the full
+    step's: the traced (for-loop) AdamW frees each parameter's temporaries by the next one's,
+    except its `denom`, alive until the next parameter's is computed, so each representative
+    steps beside a buffer the size of the largest parameter stepped just before one like it (made
+    in the step, so labelled as its state is)."""
     saved = [group["params"] for group in opt.param_groups]
     alike: dict[tuple, list[torch.Tensor]] = {}
     before: dict[tuple, torch.Tensor] = {}  # key -> the largest local tensor stepped just before one

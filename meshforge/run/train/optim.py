@@ -28,14 +28,23 @@ def fused_unavailable(params: list[torch.Tensor]) -> str | None:
     return None
 
 
-def build_optimizer(params, cfg: OptimizerConfig, implementation: str | None = None) -> torch.optim.Optimizer:
-    """AdamW as the recipe asks: `fused` (TorchTitan's default: one kernel per step, on CPU
-    as on CUDA), falling back, with the reason logged, where it cannot run."""
-    params = list(params)
-    impl = implementation or cfg.implementation
-    if impl == "fused" and (why := fused_unavailable(params)):
+def resolved_implementation(params: list[torch.Tensor], asked: str) -> tuple[str, str | None]:
+    """The AdamW implementation a run steps these parameters with, and why it is not the one
+    asked (None: it is): fused where torch's kernel takes them, else foreach, else for-loop."""
+    if asked == "fused" and (why := fused_unavailable(params)):
         # foreach cannot mix DTensors and plain tensors in one list either
-        impl = "for-loop" if why.startswith("DTensor and plain") else "foreach"
+        return ("for-loop" if why.startswith("DTensor and plain") else "foreach"), why
+    return asked, None
+
+
+def build_optimizer(
+    params, cfg: OptimizerConfig, implementation: str | None = None, quiet: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW as the recipe asks: `fused` (TorchTitan's default: one kernel per step, on CPU
+    as on CUDA), falling back, with the reason logged (unless `quiet`), where it cannot run."""
+    params = list(params)
+    impl, why = resolved_implementation(params, implementation or cfg.implementation)
+    if why and not quiet:
         log.warning("optimizer.implementation = fused: %s; using %s", why, impl)
     return torch.optim.AdamW(
         params,

@@ -1,0 +1,98 @@
+"""A device's compute rates as `meshforge tune --calibrate` measures them: matmul FLOP/s per dtype at
+a transformer's shapes, causal grouped-query attention's, and memory-bound bytes/s, each at the sizes
+of the device measured (one CPU rank's, or one GPU's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from meshforge.parallelisms.fsdp import DTYPES
+from meshforge.simulate.host_probes import median_seconds
+from meshforge.simulate.op_costs import sdpa_step_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class RateProbe:
+    """What is timed on one kind of device."""
+
+    matmul_shapes: tuple[tuple[int, int, int], ...]  # (m, k, n); a dtype's rate is their median
+    matmul_dtypes: tuple[str, ...]
+    attention_dtypes: tuple[str, ...]
+    attention_shape: tuple[int, int, int, int, int]  # batch, query heads, kv heads, sequence, head dim
+    memory_bytes: int  # per tensor of c = a + b: 3 x this moved, well past the caches
+    calls: int  # calls per timing: a wait for a GPU costs ~10 us
+
+
+# a small transformer's matmuls (q/k/v/o projections, an MLP up-projection, a long-sequence
+# attention product): the median is the typical one, not pulled by a shape that suits (or misses)
+# the cache; float16 left out (CPUs have no fp16 matmul units, flops.py); attention at the shrunk
+# llm_1b's sizes
+CPU_PROBE = RateProbe(
+    matmul_shapes=((2048, 256, 256), (2048, 256, 1024), (512, 512, 2048)),
+    matmul_dtypes=("float32", "bfloat16"),
+    attention_dtypes=("float32", "bfloat16"),
+    attention_shape=(2, 8, 2, 128, 32),
+    memory_bytes=16 << 20,
+    calls=1,
+)
+# llm_1b's matmuls at 8,192 tokens (dim 2,048, MLP 8,192, a 32,768-column slice of the output
+# layer) and its attention; fp32 attention runs another kernel (no flash): left to the matmul rate
+GPU_PROBE = RateProbe(
+    matmul_shapes=((8192, 2048, 2048), (8192, 2048, 8192), (8192, 8192, 2048), (8192, 2048, 32768)),
+    matmul_dtypes=("float32", "bfloat16", "float16"),
+    attention_dtypes=("bfloat16", "float16"),
+    attention_shape=(2, 32, 8, 4096, 64),
+    memory_bytes=1 << 30,
+    calls=10,
+)
+
+
+def compute_rates(device: str) -> dict:
+    """This device's matmul and attention FLOP/s by dtype and memory-bound bytes/s, as a Profile
+    holds them (`matmul_flops`, `attention_flops`, `memory_Bps`)."""
+    probe = GPU_PROBE if device == "cuda" else CPU_PROBE
+    matmul = {
+        name: statistics.median(matmul_rate(s, name, device, probe.calls) for s in probe.matmul_shapes)
+        for name in probe.matmul_dtypes
+    }
+    attention = {
+        name: attention_rate(probe.attention_shape, name, device, probe.calls)
+        for name in probe.attention_dtypes
+    }
+    memory = memory_rate(probe.memory_bytes, device, probe.calls)
+    return {"matmul_flops": matmul, "attention_flops": attention, "memory_Bps": memory}
+
+
+def matmul_rate(shape: tuple[int, int, int], dtype: str, device: str, calls: int) -> float:
+    """FLOP/s of an (m, k) x (k, n) product (its operands freed on return: 2 GiB at a GPU's sizes)."""
+    m, k, n = shape
+    a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
+    b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
+    return 2 * m * k * n / median_seconds(lambda: torch.mm(a, b), device, calls)
+
+
+def attention_rate(shape: tuple[int, ...], dtype: str, device: str, calls: int) -> float:
+    """FLOP/s of causal grouped-query SDPA's forward and backward, as the model calls it, its FLOPs
+    counted as the trace counts them (op_costs.sdpa_step_flops: one formula whichever kernel runs)."""
+    batch, heads, kv_heads, seq, head_dim = shape
+
+    def tensor(h: int) -> torch.Tensor:
+        return torch.randn(batch, h, seq, head_dim, dtype=DTYPES[dtype], device=device, requires_grad=True)
+
+    q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
+    grad = torch.randn(batch, heads, seq, head_dim, dtype=DTYPES[dtype], device=device)
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
+
+    return sdpa_step_flops(q, k, v) / median_seconds(step, device, calls)
+
+
+def memory_rate(nbytes: int, device: str, calls: int) -> float:
+    """Bytes/s read and written by c = a + b on float32 tensors of `nbytes` each."""
+    a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
+    return 3 * nbytes / median_seconds(lambda: torch.add(a, b, out=c), device, calls)
