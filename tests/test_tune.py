@@ -387,6 +387,24 @@ def test_a_pipelines_host_work_repeats_with_its_schedule():
     assert p.step_s == pytest.approx(2 * 2 * 1.0 + 0.5)  # the device's 10 ms actions hide behind it
 
 
+def test_a_pipelines_sends_are_priced_at_the_calibrated_send():
+    """Between two stages a forward's output and a backward's gradient each cross once: on the
+    critical path of one microbatch, F0 -> F1 -> B1 -> B0, two sends at the profile's own send link
+    (calibrate's pairs exchanging tensors), not its collectives' link of 2."""
+    action = {"flops": {"float32": 1e9}, "memory_bytes": 0, "ops": 0, "dtensor_ops": 0, "collectives": []}
+
+    def stage(s: int) -> dict:
+        costs = {f"0:F{s}": action, f"1:B{s}": action}
+        return {"costs": costs, "actions": [(s, "F", 0), (s, "B", 0)], "boundary_bytes": 10**6}
+
+    pooled = dataclasses.replace(CPU, links={2: Link(0.0, 1e12)})
+    sending = dataclasses.replace(pooled, kind_links={"send": {2: Link(0.25, 1e6)}})  # 0.25 s + 1 s
+    works = {0: stage(0), 1: stage(1)}
+    free = predict_step(works, ParallelDims(pp=2), 1, pooled).step_s
+    assert free == pytest.approx(4, rel=1e-5)  # four 1 s actions in a row
+    assert predict_step(works, ParallelDims(pp=2), 1, sending).step_s == pytest.approx(free + 2 * 1.25)
+
+
 def test_points_that_train_on_different_batches_are_ranked_by_tokens_per_second():
     """llm_8b fixes the micro batch, so dp8 x tp2 trains on 8x the tokens of cp2 x tp8 per step:
     ranked by step time, the slower layout came first (predicted 2,103 vs 4,515 tokens/s/device)."""

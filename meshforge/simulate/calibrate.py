@@ -48,6 +48,7 @@ from meshforge.simulate.rate_probes import CPU_PROBE, GPU_PROBE, compute_rates
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 LOADED_REPEATS = 32  # bursts timed with and without the collective after each
+PROBE_ROUNDS = 3  # rounds of the host probes, the least kept
 TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of the terminal
 
 
@@ -67,10 +68,12 @@ def calibrate(
         timings = (
             _launch(_measure_links, world, threads_per_rank, Path(tmp) / "links", "cpu") if world > 1 else []
         )
+    collectives = [timing for timing in timings if timing[1] != "send"]  # a send is not a collective's
     fits = {
-        g: fit_link(g, [(kind, n, t) for size, kind, n, t in timings if size == g]) for g in _groups(world)
+        g: fit_link(g, [(kind, n, t) for size, kind, n, t in collectives if size == g])
+        for g in _groups(world)
     }
-    kind_links = fit_kind_links(timings, list(fits), COLLECTIVES)
+    kind_links = fit_kind_links(timings, list(fits), (*COLLECTIVES, "send"))
     node = platform.node() or "this machine"
     cores = usable_cores()
     profile = Profile(
@@ -208,10 +211,13 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device)
-    result["op_overhead_s"] = per_op = op_overhead(device)
+    # the least of a few rounds: a slow second of a shared host (the DTensor probe read 105 us in
+    # one calibration, 56-61 us in five rounds alone a while later) only adds
+    result["op_overhead_s"] = per_op = min(op_overhead(device) for _ in range(PROBE_ROUNDS))
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops at a CPU op's cost
-    result["dtensor_op_overhead_s"] = dtensor_op_overhead(op_overhead() if gpu else per_op)
+    local_op = min(op_overhead() for _ in range(PROBE_ROUNDS)) if gpu else per_op
+    result["dtensor_op_overhead_s"] = min(dtensor_op_overhead(local_op) for _ in range(PROBE_ROUNDS))
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}
@@ -251,6 +257,10 @@ def _measure_links(rank: int, world: int, threads: int, folder: str, device: str
                 }[kind]
                 cases.append((g, kind, numel * 4))
                 seconds.append(cost_under_load(op, burst, dist.barrier))
+    for size in SIZES if world % 2 == 0 else ():  # a pipeline's send: a pair's ranks exchange
+        out, into = torch.ones(size // 4), torch.empty(size // 4)
+        cases.append((2, "send", size))
+        seconds.append(cost_under_load(lambda: _exchange(out, into, rank ^ 1), burst, dist.barrier))
     mine = torch.tensor(seconds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
@@ -259,6 +269,13 @@ def _measure_links(rank: int, world: int, threads: int, folder: str, device: str
         median = np.median(torch.stack(every).numpy(), axis=0)
         result = [[*case, float(t)] for case, t in zip(cases, median)]
         Path(folder, "result.json").write_text(json.dumps(result))
+
+
+def _exchange(out: torch.Tensor, into: torch.Tensor, peer: int) -> None:
+    """Send `out` to `peer` while receiving `into` from it, as a pipeline stage's P2P runs."""
+    ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
@@ -296,6 +313,12 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
             f"{link.latency_s * 1e6:.0f} us + busbw {link.bandwidth_Bps / 1e9:.2f} GB/s",
             f"{profile.calibrated_world // g} group(s) at once behind compute, fit to {points} timings "
             f"(RMS error {errors[g]:.0%})",
+        )
+    if send := profile.kind_links.get("send", {}).get(2):
+        table.add_row(
+            "pipeline send",
+            f"{send.latency_s * 1e6:.0f} us + {send.bandwidth_Bps / 1e9:.2f} GB/s",
+            f"{profile.calibrated_world // 2} pair(s) at once behind compute, each rank sending, receiving",
         )
     return table
 
