@@ -174,12 +174,18 @@ def run(name: str, recipe: str, overrides: list[str], steps: int, out: Path, tim
         result["estimate_gib"] = estimate_gib(recipe, overrides)
     except Exception as e:  # the run's figures still count; the table says what failed
         result["estimate_error"] = f"{type(e).__name__}: {e}"[:300]
-    try:
-        if profile := gpu_profile(torch.cuda.get_device_name(0)):
-            result["predicted_step_s"] = predicted_step_s(recipe, estimate_overrides(overrides), profile)
-    except Exception as e:  # as the estimate's: the run's figures still count
-        result["prediction_error"] = f"{type(e).__name__}: {e}"[:300]
+    if profile := gpu_profile(torch.cuda.get_device_name(0)):
+        result.update(priced(recipe, overrides, profile))
     return result
+
+
+def priced(recipe: str, overrides: list[str], profile: str) -> dict:
+    """A run's `predicted_step_s`, or its `prediction_error` where the prediction fails (as the
+    estimate's: the run's figures still count)."""
+    try:
+        return {"predicted_step_s": predicted_step_s(recipe, estimate_overrides(overrides), profile)}
+    except Exception as e:
+        return {"prediction_error": f"{type(e).__name__}: {e}"[:300]}
 
 
 @functools.cache
@@ -442,11 +448,8 @@ def repredict(path: str, out: Path) -> None:
         sys.exit(f"gpu_check --repredict: no shipped profile for {gpu} (shipped: {shipped})")
     for r in recorded["runs"].values():
         r.pop("prediction_error", None)
-        try:
-            r["predicted_step_s"] = predicted_step_s(r["recipe"], estimate_overrides(r["overrides"]), profile)
-        except Exception as e:  # as in run(): the run's figures still count
-            r.pop("predicted_step_s", None)
-            r["prediction_error"] = f"{type(e).__name__}: {e}"[:300]
+        r.pop("predicted_step_s", None)
+        r.update(priced(r["recipe"], r["overrides"], profile))
     recorded["predicted"] = (
         f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__} on the CPU, meshforge at {git_head()}"
     )

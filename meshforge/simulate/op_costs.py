@@ -35,21 +35,26 @@ def _per_query_head(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
     return (kv.shape[0], q.shape[1], *kv.shape[2:])
 
 
+def _sdpa_forward_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> float:
+    return sdpa_flop_count(q.shape, _per_query_head(q, k), _per_query_head(q, v))
+
+
+def _sdpa_backward_flops(
+    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__
+) -> float:
+    return sdpa_backward_flop_count(g.shape, q.shape, _per_query_head(q, k), _per_query_head(q, v))
+
+
 def sdpa_step_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
     """SDPA's forward and backward FLOPs on these tensors, as the trace counts them whatever the
     backend (torch's formulas, GQA's key and value heads expanded, a causal mask not discounted)."""
-    kq, vq = _per_query_head(q, k), _per_query_head(q, v)
-    return sdpa_flop_count(q.shape, kq, vq) + sdpa_backward_flop_count(q.shape, q.shape, kq, vq)
+    return _sdpa_forward_flops(q, k, v) + _sdpa_backward_flops(q, q, k, v)  # the gradient: q's shape
 
 
 # torch's CPU flash attention is missing from its FLOP registry: the same formula as its CUDA twins
 _CPU_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
-        q.shape, _per_query_head(q, k), _per_query_head(q, v)
-    ),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, **kw: (
-        sdpa_backward_flop_count(g.shape, q.shape, _per_query_head(q, k), _per_query_head(q, v))
-    ),
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
 }
 
 # attention's kernels (forward and backward, every backend; the CPU's too): priced at the
