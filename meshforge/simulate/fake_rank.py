@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import multiprocessing
+import multiprocessing.forkserver
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -73,11 +75,16 @@ class TracePool(ProcessPoolExecutor):
 def trace_pool(workers: int | None = None) -> TracePool:
     """Worker processes, one simulated rank per process: each starts clean (torch caches
     DTensor plans and sliced DeviceMeshes by mesh layout, which simulated ranks would share).
-    Workers fork from a server that imported torch once, so a trace does not pay for it."""
+    Workers fork from a server that imported torch once, so a trace does not pay for it. A
+    worker runs one trace and exits, so its garbage goes with it: the cyclic collector is off
+    there (its passes over fake tensors and autograd graphs were ~7% of a trace)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["meshforge.simulate.estimate", "meshforge.simulate.sharding"])
+    # the server imports torch now, beside the caller's own work before its first submit (the pool
+    # starts it at its first worker: ~2 s of `estimate --all-meshes` with one core idle)
+    multiprocessing.forkserver.ensure_running()
     workers = workers or max(1, min(4, len(os.sched_getaffinity(0))))
-    return TracePool(workers, mp_context=ctx, max_tasks_per_child=1)
+    return TracePool(workers, mp_context=ctx, max_tasks_per_child=1, initializer=gc.disable)
 
 
 @contextlib.contextmanager
