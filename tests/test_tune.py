@@ -229,6 +229,16 @@ def test_refining_a_profile_recovers_measured_steps():
     assert all(a <= b / 2 for a, b in zip(after, before)) and sorted(after)[2] < 0.1, (before, after, factors)
 
 
+def test_a_refined_profiles_file_name_takes_no_quotes():
+    """A GPU's calibrated profile is named for its device ("NVIDIA H200"): the refined file's name
+    has no space a shell would split on, and keeps what names it."""
+    from meshforge.experiments.refine import profile_file_stem
+
+    assert profile_file_stem("NVIDIA H200+runs") == "NVIDIA-H200+runs"
+    assert profile_file_stem("vm-01.local+runs") == "vm-01.local+runs"
+    assert profile_file_stem("a / b (c)") == "a-b-c"
+
+
 def _meta_model(recipe):
     with torch.device("meta"):
         return get_model_spec(recipe.model.name).build(args_from_config(recipe.model))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -168,7 +169,13 @@ def refined_profile(profile: Profile, runs: list[Path], console: Console) -> Pro
     """`profile` refined by the measured runs under `runs`, written to
     ./meshforge-profile-<name>.toml for the next tune's --profile."""
     refined = refine(profile, runs, console)
-    path = Path(f"meshforge-profile-{refined.name}.toml")
+    path = Path(f"meshforge-profile-{profile_file_stem(refined.name)}.toml")
     save_profile(refined, path)
     console.print(f"refined profile written to {path} (--profile {path} uses it again)", highlight=False)
     return refined
+
+
+def profile_file_stem(name: str) -> str:
+    """A profile's name as a file name a shell takes unquoted: a GPU's calibrated profile is named
+    for its device ("NVIDIA H200"), so runs of other characters become one '-'."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", name).strip("-") or "profile"
