@@ -358,6 +358,7 @@ def test_a_prediction_prices_flops_bytes_ops_and_links():
     # all-reduce of 1 GB on 2 ranks: 1 s
     assert p.step_s == pytest.approx(2 * (5 + 1))
     assert p.compute_s == pytest.approx(10) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
+    assert p.host_s == 0  # in compute: a CPU rank's host is its device
 
 
 def test_a_gpus_host_runs_ahead_of_it_and_bounds_the_step_only_when_slower():
@@ -371,6 +372,7 @@ def test_a_gpus_host_runs_ahead_of_it_and_bounds_the_step_only_when_slower():
     assert device_bound.step_s == pytest.approx(2 * 3)  # per phase 2 s matmul + 1 s memory; host 2 s
     host_bound = predict_step({0: work}, ParallelDims(), 1, dataclasses.replace(gpu, op_overhead_s=4e-3))
     assert host_bound.step_s == pytest.approx(2 * 4) and host_bound.compute_s == pytest.approx(6)
+    assert host_bound.host_s == host_bound.step_s and device_bound.host_s == pytest.approx(2 * 1)
     # four microbatches without pipelining, two traced: the second's work stands for the later two
     two = {
         "costs": {f"{i}:{k}0": cost for i, k in enumerate("FBFB")},
@@ -380,6 +382,28 @@ def test_a_gpus_host_runs_ahead_of_it_and_bounds_the_step_only_when_slower():
     assert predict_step({0: two}, ParallelDims(), 4, gpu).step_s == pytest.approx(4 * 2 * 3)
     host_bound = dataclasses.replace(gpu, op_overhead_s=4e-3)
     assert predict_step({0: two}, ParallelDims(), 4, host_bound).step_s == pytest.approx(4 * 2 * 4)
+
+
+def test_the_table_shows_a_gpus_host_share_and_no_cpus():
+    """tune's table has a host share column where the profile prices a GPU's host apart (the step
+    it bounds reads 100%), and none for CPU ranks, whose host work is their compute."""
+    from rich.console import Console
+
+    from meshforge.experiments.tune import predicted_table
+
+    def row(label: str, step: float, host: float) -> dict:
+        p = {"step_s": step, "host_s": host, "tokens_per_sec_per_device": 1.0, "mfu": None, "bubble": 0.0}
+        return {"label": label, "estimate_gib": 1.0, "predicted": {**p, "exposed_comm_s": 0.0}}
+
+    def shown(rows: list[dict]) -> str:
+        console = Console(width=200, record=True)
+        console.print(predicted_table(rows, CPU, None))
+        return console.export_text()
+
+    gpu = shown([row("dp8", 2.0, 2.0), row("tp8", 4.0, 1.0)])
+    assert "host share" in gpu
+    assert re.search(r"dp8 .*100%", gpu) and re.search(r"tp8 .*25%", gpu), gpu
+    assert "host share" not in shown([row("dp2", 2.0, 0.0)])
 
 
 def test_a_pipelines_host_work_repeats_with_its_schedule():

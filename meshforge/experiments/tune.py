@@ -262,10 +262,13 @@ def untraced_caveats(recipe: Recipe) -> list[str]:
 def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> Table:
     fits = f"fits in {limit:.1f} GiB" if limit else "fit not judged (no device memory)"
     table = Table(title=f"tune: predicted on {profile.name}, highest tokens/s first ({fits})")
-    for col in ("#", "point", "step s", "tokens/s/device", "MFU", "peak GiB", "bubble", "comm share"):
+    host = any(r["predicted"].get("host_s") for r in rows)  # a GPU's: the host runs ahead of it
+    columns = ["#", "point", "step s", "tokens/s/device", "MFU", "peak GiB", "bubble", "comm share"]
+    for col in columns + ["host share"] * host:
         table.add_column(col, justify="left" if col == "point" else "right")
     for i, r in enumerate(rows, 1):
         p = r["predicted"]
+        share = f"{p['host_s'] / p['step_s']:.0%}" if p["step_s"] > 0 else ""
         table.add_row(
             str(i),
             r["label"],
@@ -275,6 +278,7 @@ def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> 
             f"{r['estimate_gib']:.2f}",
             f"{p['bubble']:.1%}",
             f"{p['exposed_comm_s'] / p['step_s']:.1%}" if p["step_s"] > 0 else "",
+            *[share] * host,
         )
     return table
 

@@ -68,6 +68,9 @@ class StepPrediction:
     comm_s: float  # the busiest rank's communication, hidden or not
     exposed_comm_s: float
     bubble: float  # idle share of the pp ranks' time in the schedule (0 without pipelining)
+    # on a GPU: the busiest rank's host dispatch over the step, which runs ahead of the device; the
+    # step is host-bound where it is the step (0 on CPU ranks, whose host work is in compute_s)
+    host_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -116,7 +119,8 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     bubble = 1 - sum(busy.values()) / (schedule_span * len(ends)) if dims.pp_enabled else 0.0
     compute, comm, exposed = max(totals.values(), key=lambda t: t[0] + t[2])
     # a GPU's host runs ahead of the device: the step waits for the busier (0 on CPU ranks)
-    return StepPrediction(max(span, *hosts.values()), compute, comm, exposed, max(0.0, bubble))
+    host = max(hosts.values())
+    return StepPrediction(max(span, host), compute, comm, exposed, max(0.0, bubble), host)
 
 
 TAIL = (-1, "tail", 0)  # the reduction, sync collectives and optimizer step after a rank's schedule
