@@ -5,8 +5,9 @@ every action one time unit). Measured: one launch per schedule on pp ranks (one 
 thread each, so 2 ranks use this machine's 2 cores without contention) against the same
 model and batch on one rank: with no bubble and free communication, the pipelined step
 would take T1 / pp, so the measured bubble is 1 - (T1 / pp) / T_pp. Steady steps only
-(the first ones pay for warm-up). Communication (gloo over loopback) and unequal stage
-costs (embedding, output head) count as bubble here, as they do for a user.
+(the first two pay for warm-up), the median of 22 (24 steps a run; until 2026-12-04, 8 steps and
+the median of 6, which moved with the run by 3%). Communication (gloo over loopback)
+and unequal stage costs (embedding, output head) count as bubble here, as they do for a user.
 
     python benchmarks/pipeline_bubble.py                         # writes benchmarks/results/
     python benchmarks/pipeline_bubble.py --schedules 1F1B --steps 3 --out /tmp/b model.dim=64   # smoke run
@@ -105,6 +106,7 @@ def measure(pp: int, microbatches: int, schedules: list[str], steps: int, overri
         "pp": pp,
         "microbatches": microbatches,
         "one_rank_step_time_s": t1,
+        "steps": steps,
         "rows": rows,
         "model_overrides": MODEL + overrides,
         **provenance(),
@@ -116,7 +118,8 @@ def write(result: dict, out: Path) -> None:
         "# Pipeline bubble: measured vs theory",
         "",
         f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
-        f"pp={result['pp']}, {result['microbatches']} microbatches, one CPU thread per rank; model "
+        f"pp={result['pp']}, {result['microbatches']} microbatches, {result.get('steps', 8)} steps a run "
+        "(the median of the steady ones), one CPU thread per rank; model "
         f"{' '.join(result['model_overrides'])}. One-rank step {result['one_rank_step_time_s']:.3f} s. "
         "Measured bubble = 1 - (T1/pp) / T_pp (communication and unequal stages count as bubble).",
         "",
@@ -136,7 +139,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("overrides", nargs="*", help="recipe overrides applied to every launch")
     args = p.parse_args()

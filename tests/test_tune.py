@@ -402,7 +402,7 @@ def test_the_table_shows_a_gpus_host_share_and_no_cpus():
 
     gpu = shown([row("dp8", 2.0, 2.0), row("tp8", 4.0, 1.0)])
     assert "host share" in gpu
-    assert re.search(r"dp8 .*100%", gpu) and re.search(r"tp8 .*25%", gpu), gpu
+    assert re.search(r"dp8 .*100\.0%", gpu) and re.search(r"tp8 .*25\.0%", gpu), gpu
     assert "host share" not in shown([row("dp2", 2.0, 0.0)])
 
 

@@ -268,7 +268,7 @@ def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> 
         table.add_column(col, justify="left" if col == "point" else "right")
     for i, r in enumerate(rows, 1):
         p = r["predicted"]
-        share = f"{p['host_s'] / p['step_s']:.0%}" if p["step_s"] > 0 else ""
+        share = f"{p.get('host_s', 0.0) / p['step_s']:.1%}" if host and p["step_s"] > 0 else ""
         table.add_row(
             str(i),
             r["label"],
