@@ -205,19 +205,23 @@ def cost_under_load(
     return max(0.0, (clock() - start - alone) / repeats)
 
 
+def _least(probe: Callable[..., float], *args) -> float:
+    """A host probe's least reading of PROBE_ROUNDS: a slow second of a shared host only adds (the
+    DTensor probe read 105 us in one calibration, 56-61 us in five rounds alone a while later)."""
+    return min(probe(*args) for _ in range(PROBE_ROUNDS))
+
+
 def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str) -> None:
     """One rank alone (with `threads` threads on a CPU; or one GPU): matmul and attention FLOP/s per
     dtype, memory-bound bytes/s (rate_probes.py), the host's work per op and per DTensor op."""
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device)
-    # the least of a few rounds: a slow second of a shared host (the DTensor probe read 105 us in
-    # one calibration, 56-61 us in five rounds alone a while later) only adds
-    result["op_overhead_s"] = per_op = min(op_overhead(device) for _ in range(PROBE_ROUNDS))
+    result["op_overhead_s"] = per_op = _least(op_overhead, device)
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops at a CPU op's cost
-    local_op = min(op_overhead() for _ in range(PROBE_ROUNDS)) if gpu else per_op
-    result["dtensor_op_overhead_s"] = min(dtensor_op_overhead(local_op) for _ in range(PROBE_ROUNDS))
+    local_op = _least(op_overhead, "cpu") if gpu else per_op
+    result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, local_op)
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}
