@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2")
     p.add_argument("--only", default=None, help="layouts to run, comma-separated (default: all)")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument(
         "--keep", default=None, help="keep the tunes' run folders here (default: a temporary folder)"

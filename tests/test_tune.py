@@ -159,7 +159,7 @@ def test_fsdp_traffic_is_the_parameters_once_each_way(works):
 
     assert traffic("all_gather", ["0:F0"]) == params_bytes  # the forward gathers every parameter
     assert traffic("reduce_scatter", list(costs)) == params_bytes  # the gradients go back once
-    fsdp = [c for p in costs if p != "sync" for c in costs[p]["collectives"]]
+    fsdp = [c for p in costs if p not in ("sync", "log") for c in costs[p]["collectives"]]
     assert {tuple(c[2]) for c in fsdp} == {(0, 1)}  # the dp_shard group
     assert all(c[3] for c in fsdp)  # FSDP's own: overlappable
     # between backward and optimizer, what the trainer waits on: the token count over dp, the
@@ -168,6 +168,10 @@ def test_fsdp_traffic_is_the_parameters_once_each_way(works):
     n_params = len(list(_meta_model(debug()).parameters()))
     sync = sorted((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in costs["sync"]["collectives"])
     assert sync == [("all_reduce", n, (0, 1), False, 1) for n in sorted((4, 4 * n_params, 8))]
+    # a logged step gathers every rank's 4 memory figures (float64, CPU) over the world, blocking;
+    # it is priced on one step in logging.log_every
+    assert costs["log"]["collectives"] == [["all_gather", 2 * 4 * 8, (0, 1), False, 1]]
+    assert works["fsdp2"]["log_every"] == 1
 
 
 def test_tp_collectives_are_blocking_on_the_tp_group(works):
@@ -359,6 +363,23 @@ def test_a_prediction_prices_flops_bytes_ops_and_links():
     assert p.step_s == pytest.approx(2 * (5 + 1))
     assert p.compute_s == pytest.approx(10) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
     assert p.host_s == 0  # in compute: a CPU rank's host is its device
+
+
+def test_a_logged_steps_gather_is_priced_on_its_share_of_the_steps():
+    """The trainer gathers the memory figures on one step in `logging.log_every`: a step carries
+    that share of the gather's time (here 1 s of latency each time)."""
+    one = {"flops": {}, "memory_bytes": 0, "ops": 0, "dtensor_ops": 0, "collectives": []}
+    gather = {**one, "collectives": [["all_gather", 64, (0, 1), False, 1]]}
+    profile = dataclasses.replace(CPU, shared_cores=2, links={2: Link(1.0, 1e12)})
+
+    def step(log_every: int) -> float:
+        work = {"costs": {"0:F0": one, "log": gather}, "actions": [(0, "F", 0)], "boundary_bytes": 0}
+        return predict_step(
+            {0: {**work, "log_every": log_every}}, ParallelDims(dp_shard=2), 1, profile
+        ).step_s
+
+    assert step(1) == pytest.approx(1.0, rel=1e-6)
+    assert step(4) == pytest.approx(0.25, rel=1e-6)
 
 
 def test_a_gpus_host_runs_ahead_of_it_and_bounds_the_step_only_when_slower():

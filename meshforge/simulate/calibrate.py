@@ -217,11 +217,10 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device)
-    result["op_overhead_s"] = per_op = _least(op_overhead, device)
+    result["op_overhead_s"] = _least(op_overhead, device)
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
-    # local ops at a CPU op's cost
-    local_op = _least(op_overhead, "cpu") if gpu else per_op
-    result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, local_op)
+    # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
+    result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, _least(op_overhead, "cpu", tiny_step))
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}
@@ -305,7 +304,9 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
         f"{profile.memory_Bps / 1e9:.2f} GB/s",
         f"c = a + b on {nbytes >> 20} MiB tensors, {alone}",
     )
-    table.add_row("host work per op", f"{profile.op_overhead_s * 1e6:.1f} us", f"tiny layers' step, {alone}")
+    table.add_row(
+        "host work per op", f"{profile.op_overhead_s * 1e6:.1f} us", f"a tiny Llama's step, {alone}"
+    )
     table.add_row(
         "per DTensor op",
         f"{profile.dtensor_op_overhead_s * 1e6:.1f} us",

@@ -80,8 +80,8 @@ COLLECTIVES = {
 # backward); DTensor's (TP, CP, EP: functional collectives) sit on the critical path
 OVERLAPPED = {c10d._allgather_base_, c10d._reduce_scatter_base_, c10d.allreduce_}
 # phases whose collectives the step waits on whatever op they use: the token count, gradient norm
-# and loss between backward and optimizer (trace.py's "sync")
-BLOCKING_PHASES = {"sync"}
+# and loss between backward and optimizer (trace.py's "sync"), a logged step's memory figures ("log")
+BLOCKING_PHASES = {"sync", "log"}
 
 FUSED_ADAM = {aten._fused_adam_, aten._fused_adamw_}
 

@@ -19,11 +19,12 @@ previous stage's forward, the next stage's backward, plus the send between them)
 the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
 profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
 ranks leave their cores to the others (processor sharing). The step ends with every rank's
-reduction, its sync collectives (the gradient norm's and the loss's synchronise the ranks) and
-optimizer step.
+reduction, its sync collectives (the gradient norm's and the loss's synchronise the ranks),
+optimizer step and, on one step in `logging.log_every`, the logged memory figures' gather over
+the world.
 
 Ignored (said where the tune prints): clipping's multiply, the data loader, the host work between
-steps, and kernel overlap inside a phase.
+steps beyond the logged step's gather (writing the logs), and kernel overlap inside a phase.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class PhaseTime:
     comm_s: float  # every collective's time
     exposed_comm_s: float  # the part of comm_s not hidden behind compute (on a GPU)
     host_s: float = 0.0  # on a GPU: the host's dispatch, ahead of the device (in compute_s on a CPU)
+
+    def scaled(self, share: float) -> PhaseTime:
+        """This phase's time per step when it runs on `share` of the steps."""
+        return PhaseTime(*(share * v for v in dataclasses.astuple(self)))
 
 
 def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
@@ -93,6 +98,8 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     timelines, totals, hosts = {}, {}, {}
     for pp_rank, work in works.items():
         phases = {p: phase_time(c, profile, overlap) for p, c in work["costs"].items()}
+        if "log" in phases:  # a logged step's memory gather, on one step in log_every
+            phases["log"] = phases["log"].scaled(1 / work["log_every"])
         tail = [phases[p] for p in TAIL_PHASES if p in phases]
         timelines[pp_rank] = [
             *_actions(work, phases, grad_accum, dims.pp_enabled),
@@ -123,8 +130,8 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
     return StepPrediction(max(span, host), compute, comm, exposed, max(0.0, bubble), host)
 
 
-TAIL = (-1, "tail", 0)  # the reduction, sync collectives and optimizer step after a rank's schedule
-TAIL_PHASES = ("reduce", "sync", "optimizer")
+TAIL = (-1, "tail", 0)  # the reduction, sync collectives, optimizer step and logging after a rank's schedule
+TAIL_PHASES = ("reduce", "sync", "optimizer", "log")
 
 
 def _actions(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelined: bool) -> list[Action]:

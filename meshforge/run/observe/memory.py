@@ -65,6 +65,11 @@ PEAK = {"cuda": "max_active_gib", "cpu": "max_rss_gib"}
 PEAK_MEANING = {"cuda": "CUDA peak active", "cpu": "peak RSS"}
 
 
+# how many figures rank_memory returns per device type (the logged step gathers them over the world;
+# the step-time model prices that gather)
+LOGGED_FIGURES = {"cuda": 7, "cpu": 4}
+
+
 def rank_memory(device: torch.device, state: int) -> dict[str, float]:
     """This rank's memory, named as TorchTitan names it, in GiB (and % of the device, and
     counts). CUDA peaks are reset after reading, so each logged step reports the peak since
