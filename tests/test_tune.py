@@ -18,6 +18,7 @@ from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action
 from meshforge.recipe import load_recipe
 from meshforge.run.observe import wandb_files as wf
+from meshforge.run.observe.memory import LOGGED_FIGURES, rank_memory
 from meshforge.run.observe.memtrace import make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import cross_entropy_sum
@@ -29,7 +30,9 @@ from meshforge.simulate.step_time import Action, predict_step, simulate_timed
 from meshforge.simulate.trace import _allocate_moments, _step_once_per_shape, trace_rank
 
 ONE = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "train.global_batch_size=4"]
-LAYOUTS = {"one": [], "tp2": ["mesh.tp=2"], "fsdp2": ["mesh.dp_shard=2", "train.global_batch_size=8"]}
+# fsdp2 also as a recipe that leaves the device to the machine and logs every 5th step
+FSDP2 = ["mesh.dp_shard=2", "train.global_batch_size=8", "train.device=auto", "logging.log_every=5"]
+LAYOUTS = {"one": [], "tp2": ["mesh.tp=2"], "fsdp2": FSDP2}
 
 
 def debug(*overrides: str):
@@ -168,10 +171,11 @@ def test_fsdp_traffic_is_the_parameters_once_each_way(works):
     n_params = len(list(_meta_model(debug()).parameters()))
     sync = sorted((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in costs["sync"]["collectives"])
     assert sync == [("all_reduce", n, (0, 1), False, 1) for n in sorted((4, 4 * n_params, 8))]
-    # a logged step gathers every rank's 4 memory figures (float64, CPU) over the world, blocking;
-    # it is priced on one step in logging.log_every
+    # a logged step gathers every rank's memory figures (float64; rank_memory's, this machine's
+    # CPU ones) over the world, blocking; it is priced on one step in logging.log_every
+    assert len(rank_memory(torch.device("cpu"), 0)) == LOGGED_FIGURES["cpu"] == 4
     assert costs["log"]["collectives"] == [["all_gather", 2 * 4 * 8, (0, 1), False, 1]]
-    assert works["fsdp2"]["log_every"] == 1
+    assert works["fsdp2"]["log_every"] == 5
 
 
 def test_tp_collectives_are_blocking_on_the_tp_group(works):

@@ -220,7 +220,8 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     result["op_overhead_s"] = _least(op_overhead, device)
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
-    result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, _least(op_overhead, "cpu", tiny_step))
+    plain_op = _least(op_overhead, "cpu", tiny_step)
+    result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, plain_op)
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}

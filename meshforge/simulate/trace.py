@@ -1,6 +1,7 @@
 """One rank's training step traced on fake tensors: its peak memory by category, and each
 phase's (every forward and backward of the rank's schedule, the gradient reduction, the step's
-own collectives before its update, the optimizer step). What `meshforge estimate` runs per role
+own collectives before its update, a logged step's gather of the memory figures, the optimizer
+step). What `meshforge estimate` runs per role
 (estimate.py); see its module doc."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_vi
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.parallelisms.tied import tie_across_stages
+from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.observe.memory import LOGGED_FIGURES
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories, phase_peak_categories
 from meshforge.run.train.optim import build_optimizer
@@ -79,7 +81,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             tracker.phase = "sync"
             _step_collectives(dims, meshes, pmodel.parts, tied, args_from_config(recipe.model))
             tracker.phase = "log"
-            _logging_collectives(recipe.train.device, dims.world_size)
+            _logging_collectives(pick_device_type(recipe.train.device), dims.world_size)
             tracker.phase = "optimizer"
             if work:
                 recorder.paused = True  # the memory of a for-loop step; priced as the run steps below
@@ -121,13 +123,13 @@ def _step_collectives(dims: ParallelDims, meshes, parts: list, tied, args) -> No
     dist.all_reduce(torch.zeros(2 + moe_floats))
 
 
-def _logging_collectives(device: str, world: int) -> None:
+def _logging_collectives(device_type: str, world: int) -> None:
     """What a logged step adds (lifecycle._metrics, every logging.log_every steps): every rank's
     memory figures gathered over the world (memory.gather_across_ranks, a float64 each). Traced
-    as one all-gather into a tensor, the same collective and bytes as its list form. Small, but
-    it blocks: on 8 ranks sharing 2 cores, logging every step made debug_cpu's step ~20 ms longer
-    (0.182 s against 0.164 logging every 12th; dprep8: 0.225, 0.204)."""
-    figures = torch.zeros(LOGGED_FIGURES[device], dtype=torch.float64)
+    as one all-gather into a tensor: the same kind and bytes as the trainer's list form. Small,
+    but it blocks: on 8 ranks sharing 2 cores, logging every step made debug_cpu's step ~20 ms
+    longer (0.182 s against 0.164 logging every 12th; dprep8: 0.225, 0.204)."""
+    figures = torch.zeros(LOGGED_FIGURES[device_type], dtype=torch.float64)
     dist.all_gather_single(torch.empty(world * figures.numel(), dtype=torch.float64), figures)
 
 
