@@ -431,6 +431,40 @@ def test_the_table_shows_a_gpus_host_share_and_no_cpus():
     assert "host share" not in shown([row("dp2", 2.0, 0.0)])
 
 
+def test_the_tables_show_each_points_whole_name_in_80_columns():
+    """A terminal of 80 columns (and a pipe's) showed four layouts as "dprep2-d…": the point column
+    keeps its names whole in both of tune's tables, and the recipe's own is marked."""
+    from rich.console import Console
+
+    from meshforge.experiments.tune import confirmed_table, predicted_table
+
+    labels = ["dprep2-dp2-pp2", "dprep2-dp4", "dprep2-dp2-cp2", "dp2-tp2-pp2"]
+    p = {
+        "step_s": 0.1,
+        "tokens_per_sec_per_device": 2779.0,
+        "mfu": 0.021,
+        "bubble": 0.73,
+        "exposed_comm_s": 0.04,
+    }
+    rows = [
+        {
+            "label": label,
+            "estimate_gib": 0.01,
+            "predicted": p,
+            "status": "finished",
+            "measured": {"step_time": 0.12},
+        }
+        for label in labels
+    ]
+    for table in (predicted_table(rows, CPU, None), confirmed_table(rows, own="dp2-tp2-pp2")):
+        console = Console(width=80, record=True)
+        console.print(table)
+        text = console.export_text()
+        assert all(re.search(rf"│ {label}\b", text) for label in labels), text
+        assert "…" not in text, text
+    assert "dp2-tp2-pp2 *" in text and "* the recipe's own layout" in text
+
+
 def test_a_pipelines_host_work_repeats_with_its_schedule():
     """Pipelined with 2 microbatches per step, the trainer runs the schedule twice: a host-bound
     GPU step is twice the schedule's host work, plus the tail's once."""

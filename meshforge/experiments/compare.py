@@ -11,6 +11,7 @@ from matplotlib.figure import Figure  # the object API: files only, no pyplot ba
 from rich.table import Table
 
 from meshforge.core.errors import UsageError
+from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.run.observe.memory import PEAK
 from meshforge.run.observe.record import steady_throughput, step_times_of_rows
@@ -118,9 +119,9 @@ def find_runs(paths: list[Path]) -> list[Run]:
 def comparison_table(runs: list[Run]) -> Table:
     common = min((r.rows[-1]["step"] for r in runs if r.rows), default=None)
     table = Table(title="runs side by side")
+    add_name_column(table, "run", (r.name for r in runs))
+    add_name_column(table, "layout", (r.layout for r in runs))
     cols = [
-        "run",
-        "layout",
         "policy",
         "world",
         "status",

@@ -28,6 +28,7 @@ from rich.table import Table
 from meshforge.configs import Recipe, RecipeError
 from meshforge.configs.schema import SweepConfig
 from meshforge.core.logs import log_level_name
+from meshforge.core.tables import add_name_column
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.grid import grid_points, mesh_shapes
@@ -269,19 +270,12 @@ def rank_rows(rows: list[dict]) -> list[dict]:
 
 def summary_table(rows: list[dict]) -> Table:
     table = Table(title="sweep: fastest first")
-    for col in (
-        "#",
-        "layout",
-        "status",
-        "tokens/s",
-        "step s",
-        "peak mem max/min GiB",
-        "estimate GiB",
-        "final loss",
-    ):
-        table.add_column(col)
     ranked = rank_rows(rows)
     others = [r for r in rows if r["status"] != "finished"]
+    table.add_column("#")
+    add_name_column(table, "layout", (r["label"] for r in rows))
+    for col in ("status", "tokens/s", "step s", "peak mem max/min GiB", "estimate GiB", "final loss"):
+        table.add_column(col)
     for i, r in enumerate(ranked + others, 1):
         fin = r["status"] == "finished"
         mem = (

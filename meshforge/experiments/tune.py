@@ -25,6 +25,7 @@ from rich.table import Table
 from meshforge.configs import Problem, Recipe, RecipeError
 from meshforge.configs.inert import unread_on_mesh
 from meshforge.configs.loader import recipe_to_toml
+from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.grid import grid_points, point_label
@@ -259,28 +260,42 @@ def untraced_caveats(recipe: Recipe) -> list[str]:
     return lines
 
 
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    """Numbers right-aligned beside the point's name, which is never cut short."""
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        if col == "point":
+            add_name_column(table, col, (r[i] for r in rows))
+        else:
+            table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
 def predicted_table(rows: list[dict], profile: Profile, limit: float | None) -> Table:
     fits = f"fits in {limit:.1f} GiB" if limit else "fit not judged (no device memory)"
-    table = Table(title=f"tune: predicted on {profile.name}, highest tokens/s first ({fits})")
     host = any(r["predicted"].get("host_s") for r in rows)  # a GPU's: the host runs ahead of it
-    columns = ["#", "point", "step s", "tokens/s/device", "MFU", "peak GiB", "bubble", "comm share"]
-    for col in columns + ["host share"] * host:
-        table.add_column(col, justify="left" if col == "point" else "right")
+    columns = ["#", "point", "step s", "tokens/s per device", "MFU", "peak GiB", "bubble", "comm share"]
+    cells = []
     for i, r in enumerate(rows, 1):
         p = r["predicted"]
         share = f"{p.get('host_s', 0.0) / p['step_s']:.1%}" if host and p["step_s"] > 0 else ""
-        table.add_row(
-            str(i),
-            r["label"],
-            f"{p['step_s']:.4g}",
-            f"{p['tokens_per_sec_per_device']:,.0f}",
-            f"{p['mfu']:.1%}" if p.get("mfu") is not None else "",
-            f"{r['estimate_gib']:.2f}",
-            f"{p['bubble']:.1%}",
-            f"{p['exposed_comm_s'] / p['step_s']:.1%}" if p["step_s"] > 0 else "",
-            *[share] * host,
+        cells.append(
+            [
+                str(i),
+                r["label"],
+                f"{p['step_s']:.4g}",
+                f"{p['tokens_per_sec_per_device']:,.0f}",
+                f"{p['mfu']:.1%}" if p.get("mfu") is not None else "",
+                f"{r['estimate_gib']:.2f}",
+                f"{p['bubble']:.1%}",
+                f"{p['exposed_comm_s'] / p['step_s']:.1%}" if p["step_s"] > 0 else "",
+                *[share] * host,
+            ]
         )
-    return table
+    title = f"tune: predicted on {profile.name}, highest tokens/s first ({fits})"
+    return _table(title, columns + ["host share"] * host, cells)
 
 
 def _flat(r: dict) -> dict:
@@ -297,19 +312,22 @@ def _flat(r: dict) -> dict:
 
 
 def confirmed_table(rows: list[dict], own: str) -> Table:
-    table = Table(title="tune: predicted vs measured (steady steps)")
-    for col in ("point", "predicted step s", "measured step s", "error", "measured tokens/s", "status"):
-        table.add_column(col, justify="left" if col == "point" else "right")
+    columns = ["point", "predicted step s", "measured step s", "error", "measured tokens/s", "status"]
+    cells = []
     for r in rows:
         f = _flat(r)
-        table.add_row(
-            r["label"] + (" (the recipe's)" if r["label"] == own else ""),
-            f"{f['predicted_step_s']:.4f}",
-            f"{f['measured_step_s']:.4f}" if f["measured_step_s"] else "",
-            f"{f['error']:+.1%}" if f["error"] is not None else "",
-            f"{f['tokens_per_sec']:,.0f}" if f["tokens_per_sec"] else "",
-            r["status"] if r["status"] == "finished" else f"[red]{r['status']}[/]",
+        cells.append(
+            [
+                r["label"] + (" *" if r["label"] == own else ""),
+                f"{f['predicted_step_s']:.4f}",
+                f"{f['measured_step_s']:.4f}" if f["measured_step_s"] else "",
+                f"{f['error']:+.1%}" if f["error"] is not None else "",
+                f"{f['tokens_per_sec']:,.0f}" if f["tokens_per_sec"] else "",
+                r["status"] if r["status"] == "finished" else f"[red]{r['status']}[/]",
+            ]
         )
+    table = _table("tune: predicted vs measured (steady steps)", columns, cells)
+    table.caption = "* the recipe's own layout" if any(r["label"] == own for r in rows) else None
     return table
 
 

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError, load_config
+from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
@@ -283,8 +284,9 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
     offload = any(r.get("analytic", {}).get("host") for r in rows)
     columns += ["analytic states", "analytic activations", "analytic total"]
     columns += ["host (offloaded states)"] * offload + ["fits"]
-    for c in columns:
-        table.add_column(c, justify="left" if c == "layout" else "right")
+    add_name_column(table, "layout", (r["layout"] for r in rows if "refused" not in r))
+    for c in columns[1:]:
+        table.add_column(c, justify="right")
     for r in rows:
         if "refused" in r:
             continue  # listed under the table (estimate_refusals)

@@ -1,0 +1,15 @@
+"""What every rich table of layouts or runs shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.table import Table
+
+
+def add_name_column(table: Table, header: str, names: Iterable[str]) -> None:
+    """Add the column that names each row (a layout, a run), never cut short: in 80 columns (a
+    pipe's) rich shortened dprep2-dp2-pp2 and dprep2-dp4 both to "dprep2-d…"; the other columns
+    wrap or give way instead."""
+    widest = max(len(name) for name in [header, *names])
+    table.add_column(header, min_width=widest, no_wrap=True)
