@@ -48,7 +48,7 @@ from meshforge.simulate.rate_probes import CPU_PROBE, GPU_PROBE, compute_rates
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 LOADED_REPEATS = 32  # bursts timed with and without the collective after each
-PROBE_ROUNDS = 3  # rounds of the host probes, the least kept
+PROBE_ROUNDS = 3  # rounds of each probe of one rank alone, the fastest kept
 TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of the terminal
 
 
@@ -216,7 +216,7 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     dtype, memory-bound bytes/s (rate_probes.py), the host's work per op and per DTensor op."""
     torch.set_num_threads(threads)
     gpu = device == "cuda"
-    result = compute_rates(device)
+    result = compute_rates(device, PROBE_ROUNDS)
     result["op_overhead_s"] = _least(op_overhead, device)
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
