@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import sys
 
 import pytest
 from conftest import QUICK, RECIPES, TRACKED, cli_env, run_cli
@@ -126,6 +128,59 @@ def sweep(tmp_path_factory):
     second = run_cli(args, cwd=out, env=env, timeout=1200)  # resumable: finished points are kept
     assert second.returncode == 0, second.stderr[-3000:]
     return sweep_dir, first.stdout, second.stdout, mtimes
+
+
+# a point that says it is ready, records each stop signal, and exits 130 on the first (or ignores it)
+POINT = """
+import os, signal, sys, time
+path, leave = sys.argv[1], sys.argv[2] == "exit"
+def record(signum, frame):
+    with open(path, "a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+    if leave:
+        sys.exit(130)
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, record)
+with open(path, "w") as f:
+    f.write(f"{os.getpid()}\\n")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    "signals, point, rc",
+    [(["SIGINT"], "exit", 130), (["SIGTERM"], "exit", 130), (["SIGINT", "SIGINT"], "stay", -9)],
+)
+def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
+    """A point runs in its own session, out of a terminal's Ctrl-C: a SIGINT or SIGTERM to the sweep
+    (or tune) is passed to the point, which is waited for, and the sweep stops naming the signal; a
+    second signal kills a point that has not stopped. Before, the sweep exited and its point went on
+    training alone."""
+    import signal
+    import threading
+    import time
+
+    from meshforge.core.errors import Interrupted
+    from meshforge.experiments.sweep import run_point
+
+    seen = tmp_path / "seen"
+
+    def signal_the_sweep() -> None:
+        while not seen.is_file() or not seen.read_text().endswith("\n"):
+            time.sleep(0.05)
+        for name in signals:
+            os.kill(os.getpid(), getattr(signal, name))
+            time.sleep(0.5)
+
+    threading.Thread(target=signal_the_sweep, daemon=True).start()
+    with pytest.raises(
+        Interrupted, match=rf"stopped by {signals[0]}: its running point stopped too \(exit code {rc};"
+    ):
+        run_point([sys.executable, "-c", POINT, str(seen), point], 60, tmp_path / "point.log")
+    pid, *received = seen.read_text().split()
+    assert received == signals[:1] if point == "exit" else signals
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)  # reaped: nothing left running
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError
 from meshforge.configs.schema import SweepConfig
+from meshforge.core.errors import Interrupted
 from meshforge.core.logs import log_level_name
 from meshforge.core.tables import add_name_column
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
@@ -48,11 +50,12 @@ from meshforge.simulate.estimate import (
 
 
 def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
-    """Run one point in its own process group; (status, error tail)."""
+    """Run one point in its own process group (a timeout kills everything it started); (status,
+    error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too: see `_wait`."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout)
+            rc = _wait(proc, timeout, log)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the point and every rank it started
             proc.wait()
@@ -62,6 +65,34 @@ def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
     message = log_verdict(log)
     oom = "out of memory" in message.lower() or "SIGKILL" in message
     return ("oom" if oom else "failed"), message
+
+
+def _wait(proc: subprocess.Popen, timeout: int, log: Path) -> int:
+    """The point's exit code. Its own session keeps a terminal's Ctrl-C from it, so a SIGINT or
+    SIGTERM reaching the sweep is passed on to the point's group (its launcher stops the ranks at a
+    step, saving as a run stopped so does), waited for, and raised as the sweep's interruption; a
+    second signal kills the point. Until 2026-12-05 the sweep exited and the point trained on
+    alone."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return proc.wait(timeout=timeout)
+    got: list[int] = []
+
+    def pass_on(signum: int, frame) -> None:
+        os.killpg(proc.pid, signal.SIGKILL if got else signum)
+        got.append(signum)
+
+    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if got:
+        raise Interrupted(
+            f"stopped by {signal.Signals(got[0]).name}: its running point stopped too (exit code {rc}; "
+            f"its log: {log})"
+        )
+    return rc
 
 
 def run_sweep(
