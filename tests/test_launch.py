@@ -135,9 +135,10 @@ def _stop_and_check(proc: subprocess.Popen, run_dir: Path, name: str) -> int:
     return step
 
 
-def test_sigterm_then_ctrl_c_stop_8_ranks_with_a_checkpoint_one_line_and_exit_130(tmp_path):
+def test_sigterm_ctrl_c_and_a_killed_launcher_stop_8_ranks_with_a_checkpoint(tmp_path):
     """SIGTERM to the launcher only (as Kubernetes sends it), then, on the resumed run, SIGINT to
-    the whole process group (Ctrl-C): every rank stops at the end of its step and saves."""
+    the whole process group (Ctrl-C), then SIGKILL to the launcher: every rank stops at the end of
+    its step and saves (the first two with one line and exit 130)."""
     args = [
         str(RECIPES / "debug_cpu.toml"),
         *QUICK,
@@ -170,3 +171,30 @@ def test_sigterm_then_ctrl_c_stop_8_ranks_with_a_checkpoint_one_line_and_exit_13
     info = json.loads((run_dir / "run.json").read_text())
     assert info["resumed_from"] == str(run_dir / "checkpoints" / f"step-{first:08d}")
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, second + 1))  # each step once
+
+    # the launcher killed outright (the OOM killer's SIGKILL) passes nothing on: its ranks see it
+    # gone, stop at a step, save, and exit; nothing of the job is left running (its process group)
+    proc = start()
+    _wait_for_rows(run_dir, second + 2, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 300
+    while _group_alive(proc.pid):
+        assert time.monotonic() < deadline, "ranks still running 300 s after their launcher was killed"
+        time.sleep(0.5)
+    third = read_metrics(run_dir)[-1]["step"]
+    checkpoint = run_dir / "checkpoints" / f"step-{third:08d}"
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "preempted" and info["error"].startswith(
+        f"Interrupted: stopped by the launcher's death after step {third}; checkpoint saved in {checkpoint}"
+    ), info
+    assert json.loads((checkpoint / "meta.json").read_text())["step"] == third > second + 1
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, third + 1))
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -6,6 +6,7 @@ the distributed engine and each of its workers calls `train` directly.
 SIGTERM (Slurm, Kubernetes) or Ctrl-C is not torch's to handle here (its agent would kill the
 ranks after 30 s, mid-save, and raise a SignalException): this process passes the signal on, the
 ranks stop together at the end of their step and save, and the run ends with one line, exit 130.
+A launcher killed outright cannot pass anything on: its ranks see it gone and stop as if signalled.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -28,13 +32,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshforge.configs import Recipe
-from meshforge.core.errors import Interrupted, LaunchFailed
+from meshforge.core.errors import EXIT_INTERRUPTED, Interrupted, LaunchFailed
 from meshforge.core.logs import LOG_LEVEL_ENV, log_level_name
 from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
 from meshforge.run.observe.console import RunConsole
 from meshforge.run.observe.record import mark_failed
+from meshforge.run.train import guards
 from meshforge.run.train.trainer import train
 
 
@@ -100,8 +105,10 @@ def _lost_a_peer(error: BaseException) -> bool:
 
 
 @record
-def _worker(recipe: Recipe, launcher_env: dict[str, str]) -> None:
+def _worker(recipe: Recipe, launcher_env: dict[str, str], launcher_pid: int) -> None:
     os.environ.update(launcher_env)
+    trained = threading.Event()
+    _stop_when_gone(launcher_pid, trained)
     try:
         train(recipe)
     except Interrupted:  # stopped and saved as asked: a clean exit, so torch waits for every rank
@@ -110,6 +117,32 @@ def _worker(recipe: Recipe, launcher_env: dict[str, str]) -> None:
         if _lost_a_peer(e):
             time.sleep(PEER_LOST_GRACE_S)
         raise
+    finally:
+        trained.set()
+
+
+def _stop_when_gone(launcher_pid: int, trained: threading.Event) -> None:
+    """A launcher killed outright (SIGKILL, the OOM killer) passes its ranks no stop, and they
+    trained on alone: each rank watches it (a pidfd: readable once it exits), then stops itself as a
+    SIGTERM stops it (at the end of a step, saving) and exits once `trained` is set (torch's wrapper
+    would wait forever for the launcher to read its result). Linux only; elsewhere as before."""
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # gone already
+        launcher = None
+    except (AttributeError, OSError):  # no pidfd_open (macOS, Linux < 5.3)
+        return
+
+    def watch() -> None:
+        if launcher is not None:
+            select.select([launcher], [], [])
+        guards.stop_reason = "the launcher's death"
+        os.kill(os.getpid(), signal.SIGTERM)
+        trained.wait()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 class ForwardStop:
@@ -185,7 +218,7 @@ def launch_local(recipe: Recipe, nproc: int) -> None:
             _quiet_rank_failures(),
             _torch_launcher_leaves_nothing(),
         ):
-            elastic_launch(config, _worker)(recipe, launcher_env)
+            elastic_launch(config, _worker)(recipe, launcher_env, os.getpid())
     except ChildFailedError as e:
         if stop.name:  # a rank killed by a second signal, or one that was still starting
             raise stop.interrupted(log_dir.parent / "run.json") from None

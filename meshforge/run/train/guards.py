@@ -8,6 +8,10 @@ from pathlib import Path
 
 from meshforge.core.errors import Interrupted, NonFiniteLoss
 
+# what stopped the run, when not a signal from outside: set by a rank that signals itself
+# (run/launch/local.py, when its launcher was killed outright)
+stop_reason: str | None = None
+
 
 class StopSignals:
     """SIGTERM/SIGINT set a flag instead of killing the step; the loop stops all ranks
@@ -23,7 +27,7 @@ class StopSignals:
 
     def _request(self, signum, frame) -> None:
         self.requested = True
-        self.name = signal.Signals(signum).name
+        self.name = stop_reason or signal.Signals(signum).name
 
     def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
         """The one line a stopped run ends with: what stopped it, where, and how to resume."""
