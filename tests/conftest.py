@@ -150,6 +150,19 @@ def slurm_env(tmp: Path, **extra: str) -> dict:
     return env
 
 
+def running(pid: int | None = None, group: int | None = None) -> bool:
+    """Whether a process (or any process of a group) still runs, from /proc: a zombie waiting to be
+    reaped (an orphan's, by whichever process adopted it) does not."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):  # it exited while listed
+            continue
+        if state != "Z" and (int(stat.parent.name) == pid or int(pgrp) == group):
+            return True
+    return False
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

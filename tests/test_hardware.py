@@ -203,7 +203,9 @@ def test_each_rate_is_the_fastest_of_its_rounds(monkeypatch):
     assert rates["memory_Bps"] == 27e9
     assert rates["matmul_flops"] == {"float32": 27e9, "bfloat16": 27e9}
     assert rates["attention_flops"] == {"float32": 27e9, "bfloat16": 27e9}
-    assert len(readings) == 1 + 2 * 3 + 2  # every shape and dtype probed, each its own three rounds
+    probe = rate_probes.CPU_PROBE
+    shapes = len(probe.matmul_shapes) * len(probe.matmul_dtypes)
+    assert len(readings) == 1 + shapes + len(probe.attention_dtypes)  # each probed, three rounds each
 
 
 def test_calibrating_gpus_refuses_what_it_cannot_measure(monkeypatch, tmp_path):

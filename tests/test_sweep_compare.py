@@ -10,7 +10,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import QUICK, RECIPES, TRACKED, cli_env, run_cli
+from conftest import QUICK, RECIPES, TRACKED, cli_env, run_cli, running
 
 from meshforge.core.errors import UsageError
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
@@ -130,17 +130,36 @@ def sweep(tmp_path_factory):
     return sweep_dir, first.stdout, second.stdout, mtimes
 
 
-# a point that says it is ready, records each stop signal, and exits 130 on the first (or ignores it)
+# a point as a sweep runs one: its launcher (which records each stop signal, and passes the first on
+# to its rank and exits 130, or ignores it) and a rank in its process group (which records what
+# reaches it and stops); each says it is ready with its pid
 POINT = """
 import os, signal, sys, time
 path, leave = sys.argv[1], sys.argv[2] == "exit"
-def record(signum, frame):
-    with open(path, "a") as f:
+def record(where, signum):
+    with open(where, "a") as f:
         f.write(signal.Signals(signum).name + "\\n")
+rank = os.fork()
+if rank == 0:
+    def stop(signum, frame):
+        record(path + ".rank", signum)
+        os._exit(0)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop)
+    with open(path + ".rank", "w") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(60)
+    os._exit(1)
+def launcher_stop(signum, frame):
+    record(path, signum)
     if leave:
+        os.kill(rank, signum)
+        os.waitpid(rank, 0)
         sys.exit(130)
 for s in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(s, record)
+    signal.signal(s, launcher_stop)
+while not os.path.isfile(path + ".rank") or not open(path + ".rank").read().endswith("\\n"):
+    time.sleep(0.01)
 with open(path, "w") as f:
     f.write(f"{os.getpid()}\\n")
 time.sleep(60)
@@ -153,9 +172,10 @@ time.sleep(60)
 )
 def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
     """A point runs in its own session, out of a terminal's Ctrl-C: a SIGINT or SIGTERM to the sweep
-    (or tune) is passed to the point, which is waited for, and the sweep stops naming the signal; a
-    second signal kills a point that has not stopped. Before, the sweep exited and its point went on
-    training alone."""
+    (or tune) goes to the point's launcher alone (a SIGTERM to its group would kill its ranks' fork
+    server), which stops its ranks; the point is waited for and the sweep stops naming the signal;
+    a second signal kills the point's whole group. Before, the sweep exited and its point trained on
+    alone."""
     import signal
     import threading
     import time
@@ -177,10 +197,14 @@ def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
         Interrupted, match=rf"stopped by {signals[0]}: its running point stopped too \(exit code {rc};"
     ):
         run_point([sys.executable, "-c", POINT, str(seen), point], 60, tmp_path / "point.log")
-    pid, *received = seen.read_text().split()
-    assert received == signals[:1] if point == "exit" else signals
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(pid), 0)  # reaped: nothing left running
+    launcher, *launcher_got = seen.read_text().split()
+    rank, *rank_got = (tmp_path / "seen.rank").read_text().split()
+    assert launcher_got == signals[:1]  # a second is SIGKILL, which nothing records
+    assert rank_got == (signals[:1] if point == "exit" else [])  # once, from its launcher; or killed
+    deadline = time.monotonic() + 10  # an orphaned rank's zombie waits for whoever adopted it
+    while running(int(launcher)) or running(int(rank)):
+        assert time.monotonic() < deadline, "the point or its rank still runs"
+        time.sleep(0.1)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from rich.cells import cell_len
 from rich.table import Table
 
 
@@ -11,5 +12,5 @@ def add_name_column(table: Table, header: str, names: Iterable[str]) -> None:
     """Add the column that names each row (a layout, a run), never cut short: in 80 columns (a
     pipe's) rich shortened dprep2-dp2-pp2 and dprep2-dp4 both to "dprep2-d…"; the other columns
     wrap or give way instead."""
-    widest = max(len(name) for name in [header, *names])
+    widest = max(cell_len(name) for name in [header, *names])
     table.add_column(header, min_width=widest, no_wrap=True)

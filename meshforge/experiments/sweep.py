@@ -14,6 +14,7 @@ finished points and asks the scheduler again about jobs still queued or running.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,15 +52,23 @@ from meshforge.simulate.estimate import (
 
 def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
     """Run one point in its own process group (a timeout kills everything it started); (status,
-    error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too: see `_wait`."""
-    with open(log, "w") as f:
+    error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too (`PassStop`), and the
+    sweep then stops, raising Interrupted."""
+    with open(log, "w") as f, PassStop() as stop:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        stop.started(proc)
         try:
-            rc = _wait(proc, timeout, log)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the point and every rank it started
-            proc.wait()
-            return "hung", f"no result after {timeout}s; stopped"
+            if stop.name is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the point and every rank it started
+                proc.wait()
+                return "hung", f"no result after {timeout}s; stopped"
+            rc = proc.wait()  # stopping as asked, for as long as its save takes (a second signal kills it)
+    if stop.name is not None:
+        raise Interrupted(
+            f"stopped by {stop.name}: its running point stopped too (exit code {rc}; its log: {log})"
+        )
     if rc == 0:
         return "finished", ""
     message = log_verdict(log)
@@ -67,32 +76,45 @@ def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
     return ("oom" if oom else "failed"), message
 
 
-def _wait(proc: subprocess.Popen, timeout: int, log: Path) -> int:
-    """The point's exit code. Its own session keeps a terminal's Ctrl-C from it, so a SIGINT or
-    SIGTERM reaching the sweep is passed on to the point's group (its launcher stops the ranks at a
-    step, saving as a run stopped so does), waited for, and raised as the sweep's interruption; a
-    second signal kills the point. Until 2026-12-05 the sweep exited and the point trained on
-    alone."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        return proc.wait(timeout=timeout)
-    got: list[int] = []
+class PassStop:
+    """A point runs in a session of its own, out of a terminal's Ctrl-C, so a SIGINT or SIGTERM to
+    the sweep is passed on: the first to the point's launcher, which stops its ranks at a step as it
+    stops a run (saving when checkpointing is on); a second kills the point's whole group. Handlers
+    run on the main thread only: elsewhere the defaults stay. (Until 2026-12-05 the sweep exited and
+    its point trained on alone.)"""
 
-    def pass_on(signum: int, frame) -> None:
-        os.killpg(proc.pid, signal.SIGKILL if got else signum)
-        got.append(signum)
+    def __init__(self):
+        self.name: str | None = None
+        self._signum = signal.SIGTERM
+        self._point: subprocess.Popen | None = None
 
-    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        rc = proc.wait(timeout=timeout)
-    finally:
-        for s, handler in previous.items():
+    def __enter__(self) -> PassStop:
+        on_main = threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._pass) for s in (signal.SIGINT, signal.SIGTERM) if on_main}
+        return self
+
+    def started(self, point: subprocess.Popen) -> None:
+        self._point = point
+        if self.name is not None:  # asked while it started
+            self._send(self._signum)
+
+    def _pass(self, signum: int, frame) -> None:
+        again = self.name is not None
+        if not again:
+            self.name, self._signum = signal.Signals(signum).name, signum
+        if self._point is not None:
+            self._send(signal.SIGKILL if again else signum)
+
+    def _send(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has exited already
+            if signum == signal.SIGKILL:
+                os.killpg(self._point.pid, signum)
+            else:  # its launcher only: a SIGTERM to the group would kill the ranks' fork server
+                os.kill(self._point.pid, signum)
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
             signal.signal(s, handler)
-    if got:
-        raise Interrupted(
-            f"stopped by {signal.Signals(got[0]).name}: its running point stopped too (exit code {rc}; "
-            f"its log: {log})"
-        )
-    return rc
 
 
 def run_sweep(

@@ -278,14 +278,14 @@ def estimate_table(rows: list[dict], device_memory: float | None) -> Table:
     if device_memory:
         title += f", device {device_memory / GiB:.0f} GiB"
     table = Table(title=title)
-    columns = ["layout"]
+    columns = []  # beside the layout's
     if traced:
         columns += ["peak", "rank", *SHORT.values()]
     offload = any(r.get("analytic", {}).get("host") for r in rows)
     columns += ["analytic states", "analytic activations", "analytic total"]
     columns += ["host (offloaded states)"] * offload + ["fits"]
     add_name_column(table, "layout", (r["layout"] for r in rows if "refused" not in r))
-    for c in columns[1:]:
+    for c in columns:
         table.add_column(c, justify="right")
     for r in rows:
         if "refused" in r:

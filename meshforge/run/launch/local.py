@@ -122,10 +122,11 @@ def _worker(recipe: Recipe, launcher_env: dict[str, str], launcher_pid: int) -> 
 
 
 def _stop_when_gone(launcher_pid: int, trained: threading.Event) -> None:
-    """A launcher killed outright (SIGKILL, the OOM killer) passes its ranks no stop, and they
-    trained on alone: each rank watches it (a pidfd: readable once it exits), then stops itself as a
-    SIGTERM stops it (at the end of a step, saving) and exits once `trained` is set (torch's wrapper
-    would wait forever for the launcher to read its result). Linux only; elsewhere as before."""
+    """A launcher killed outright (SIGKILL, the OOM killer) passes its ranks no stop: CPU ranks
+    trained on alone, GPU ranks (torch's spawn asks for SIGINT at their parent's death) stopped but
+    never exited. Each rank watches it (a pidfd: readable once it exits), then asks its run to stop
+    as a signal would (at the end of a step, saving) and exits once `trained` is set: torch's wrapper
+    would wait forever for the launcher to read its result. Linux only; elsewhere as before."""
     try:
         launcher = os.pidfd_open(launcher_pid)
     except ProcessLookupError:  # gone already
@@ -135,12 +136,16 @@ def _stop_when_gone(launcher_pid: int, trained: threading.Event) -> None:
 
     def watch() -> None:
         if launcher is not None:
-            select.select([launcher], [], [])
-        guards.stop_reason = "the launcher's death"
-        os.kill(os.getpid(), signal.SIGTERM)
+            exited = select.poll()
+            exited.register(launcher, select.POLLIN)
+            exited.poll()
+        guards.request_stop("the launcher's death")
         trained.wait()
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(EXIT_INTERRUPTED)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 

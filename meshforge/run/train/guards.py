@@ -8,26 +8,40 @@ from pathlib import Path
 
 from meshforge.core.errors import Interrupted, NonFiniteLoss
 
-# what stopped the run, when not a signal from outside: set by a rank that signals itself
-# (run/launch/local.py, when its launcher was killed outright)
-stop_reason: str | None = None
+_asked: str | None = None  # a stop asked by a thread of this rank (request_stop)
+
+
+def request_stop(reason: str) -> None:
+    """Stop this rank's run at the end of a step as a signal would, naming `reason`: for a thread
+    of the rank (Python runs signal handlers on the main thread only, and StopSignals' only while
+    the steps run; a stop asked before them stops the run after its first step)."""
+    global _asked
+    _asked = reason
 
 
 class StopSignals:
-    """SIGTERM/SIGINT set a flag instead of killing the step; the loop stops all ranks
-    together at the end of the step (the flag rides in the loss all-reduce)."""
+    """SIGTERM/SIGINT (or `request_stop`) set a flag instead of killing the step; the loop stops
+    all ranks together at the end of the step (the flag rides in the loss all-reduce)."""
 
     def __init__(self):
-        self.requested = False
-        self.name = "a signal to another rank"  # the flag may reach this rank only through the reduce
+        self._signal: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self._signal is not None or _asked is not None
+
+    @property
+    def name(self) -> str:
+        # read once the run has saved: the flag may have reached this rank through the reduce
+        # before its own stop was asked, never after
+        return self._signal or _asked or "a signal to another rank"
 
     def __enter__(self) -> StopSignals:
         self._previous = {sig: signal.signal(sig, self._request) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def _request(self, signum, frame) -> None:
-        self.requested = True
-        self.name = stop_reason or signal.Signals(signum).name
+        self._signal = signal.Signals(signum).name
 
     def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
         """The one line a stopped run ends with: what stopped it, where, and how to resume."""
