@@ -7,7 +7,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 from conftest import QUICK, RECIPES, TRACKED, cli_env, run_cli, running
@@ -176,9 +179,7 @@ def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
     server), which stops its ranks; the point is waited for and the sweep stops naming the signal;
     a second signal kills the point's whole group. Before, the sweep exited and its point trained on
     alone."""
-    import signal
     import threading
-    import time
 
     from meshforge.core.errors import Interrupted
     from meshforge.experiments.sweep import run_point
@@ -205,6 +206,23 @@ def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
     while running(int(launcher)) or running(int(rank)):
         assert time.monotonic() < deadline, "the point or its rank still runs"
         time.sleep(0.1)
+
+
+def test_a_stop_asked_while_the_point_starts_reaches_it_once_started(tmp_path):
+    """A Ctrl-C between the point's fork and the sweep knowing its pid is not lost: it is passed on
+    as soon as the point has started, and the point's launcher stops as it would have."""
+    from meshforge.experiments.sweep import PassStop
+
+    seen = tmp_path / "seen"
+    with PassStop() as stop:
+        stop._pass(signal.SIGINT, None)  # as the handler runs when the signal lands
+        point = subprocess.Popen([sys.executable, "-c", POINT, str(seen), "exit"], start_new_session=True)
+        while not seen.is_file() or not seen.read_text().endswith("\n"):
+            assert point.poll() is None, "the point was stopped before it could handle a stop"
+            time.sleep(0.05)
+        stop.started(point)
+        assert point.wait(timeout=30) == 130
+    assert stop.name == "SIGINT" and seen.read_text().split()[1:] == ["SIGINT"]
 
 
 @pytest.mark.slow
