@@ -182,7 +182,7 @@ def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
     import threading
 
     from meshforge.core.errors import Interrupted
-    from meshforge.experiments.sweep import run_point
+    from meshforge.experiments.point_process import run_point
 
     seen = tmp_path / "seen"
 
@@ -211,7 +211,7 @@ def test_a_stopped_sweep_stops_its_running_point(tmp_path, signals, point, rc):
 def test_a_stop_asked_while_the_point_starts_reaches_it_once_started(tmp_path):
     """A Ctrl-C between the point's fork and the sweep knowing its pid is not lost: it is passed on
     as soon as the point has started, and the point's launcher stops as it would have."""
-    from meshforge.experiments.sweep import PassStop
+    from meshforge.experiments.point_process import PassStop
 
     seen = tmp_path / "seen"
     with PassStop() as stop:

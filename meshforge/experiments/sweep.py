@@ -14,12 +14,7 @@ finished points and asks the scheduler again about jobs still queued or running.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,14 +24,14 @@ from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError
 from meshforge.configs.schema import SweepConfig
-from meshforge.core.errors import Interrupted
 from meshforge.core.logs import log_level_name
 from meshforge.core.tables import add_name_column
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.grid import grid_points, mesh_shapes
+from meshforge.experiments.point_process import run_point
 from meshforge.experiments.slurm import check_commands, run_on_slurm
-from meshforge.experiments.sweep_record import append_row, log_verdict, measure, read_rows
+from meshforge.experiments.sweep_record import append_row, measure, read_rows
 from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.loggers import wandb_settings
@@ -48,73 +43,6 @@ from meshforge.simulate.estimate import (
     submit_roles,
     trace_pool,
 )
-
-
-def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
-    """Run one point in its own process group (a timeout kills everything it started); (status,
-    error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too (`PassStop`), and the
-    sweep then stops, raising Interrupted."""
-    with open(log, "w") as f, PassStop() as stop:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        stop.started(proc)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            if stop.name is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the point and every rank it started
-                proc.wait()
-                return "hung", f"no result after {timeout}s; stopped"
-            rc = proc.wait()  # stopping as asked, for as long as its save takes (a second signal kills it)
-    if stop.name is not None:
-        raise Interrupted(
-            f"stopped by {stop.name}: its running point stopped too (exit code {rc}; its log: {log})"
-        )
-    if rc == 0:
-        return "finished", ""
-    message = log_verdict(log)
-    oom = "out of memory" in message.lower() or "SIGKILL" in message
-    return ("oom" if oom else "failed"), message
-
-
-class PassStop:
-    """A point runs in a session of its own, out of a terminal's Ctrl-C, so a SIGINT or SIGTERM to
-    the sweep is passed on: the first to the point's launcher, which stops its ranks at a step as it
-    stops a run (saving when checkpointing is on); a second kills the point's whole group. Handlers
-    run on the main thread only: elsewhere the defaults stay. (Until 2026-12-05 the sweep exited and
-    its point trained on alone.)"""
-
-    def __init__(self):
-        self.name: str | None = None
-        self._signum = signal.SIGTERM
-        self._point: subprocess.Popen | None = None
-
-    def __enter__(self) -> PassStop:
-        on_main = threading.current_thread() is threading.main_thread()
-        self._previous = {s: signal.signal(s, self._pass) for s in (signal.SIGINT, signal.SIGTERM) if on_main}
-        return self
-
-    def started(self, point: subprocess.Popen) -> None:
-        self._point = point
-        if self.name is not None:  # asked while it started
-            self._send(self._signum)
-
-    def _pass(self, signum: int, frame) -> None:
-        again = self.name is not None
-        if not again:
-            self.name, self._signum = signal.Signals(signum).name, signum
-        if self._point is not None:
-            self._send(signal.SIGKILL if again else signum)
-
-    def _send(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):  # it has exited already
-            if signum == signal.SIGKILL:
-                os.killpg(self._point.pid, signum)
-            else:  # its launcher only: a SIGTERM to the group would kill the ranks' fork server
-                os.kill(self._point.pid, signum)
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 def run_sweep(

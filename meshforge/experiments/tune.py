@@ -29,6 +29,7 @@ from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.grid import grid_points, point_label
+from meshforge.experiments.point_process import run_point
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep import (
     choose_launcher,
@@ -36,7 +37,6 @@ from meshforge.experiments.sweep import (
     mesh_for,
     plan_point,
     point_command,
-    run_point,
 )
 from meshforge.experiments.sweep_record import MEASURED, measure
 from meshforge.models import args_from_config
