@@ -48,9 +48,12 @@ class PassStop:
     its point trained on alone.)"""
 
     def __init__(self):
-        self.name: str | None = None
-        self._signum = signal.SIGTERM
+        self.asked: signal.Signals | None = None  # the first signal, passed on
         self._point: subprocess.Popen | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self.asked.name if self.asked is not None else None
 
     def __enter__(self) -> PassStop:
         on_main = threading.current_thread() is threading.main_thread()
@@ -59,13 +62,12 @@ class PassStop:
 
     def started(self, point: subprocess.Popen) -> None:
         self._point = point
-        if self.name is not None:  # asked while it started
-            self._send(self._signum)
+        if self.asked is not None:  # asked while it started
+            self._send(self.asked)
 
     def _pass(self, signum: int, frame) -> None:
-        again = self.name is not None
-        if not again:
-            self.name, self._signum = signal.Signals(signum).name, signum
+        again = self.asked is not None
+        self.asked = self.asked or signal.Signals(signum)
         if self._point is not None:
             self._send(signal.SIGKILL if again else signum)
 
