@@ -44,6 +44,12 @@ def quiet_embedding_view_warning():
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def fsdp_units(module: nn.Module) -> int:
+    """The FSDP units in `module` (one per fully_shard call; norm + output share one): each runs
+    its hooks once per forward and once per backward."""
+    return len({id(m._get_fsdp_state()) for m in module.modules() if isinstance(m, FSDPModule)})
+
+
 def fsdp_applies(dims: ParallelDims, cfg: FSDPConfig) -> bool:
     """FSDP2 wraps the model whenever there is data parallelism, and on one data-parallel
     rank too when its CPU offload is asked for (a 1-rank mesh: the shards are the whole)."""

@@ -12,7 +12,7 @@ from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
 from meshforge.simulate.calibrate import calibrate, cost_under_load, local_profile
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
-from meshforge.simulate.host_probes import dtensor_op_overhead, op_overhead, tiny_step
+from meshforge.simulate.host_probes import dtensor_op_overhead, fsdp_unit_overhead, op_overhead, tiny_step
 from meshforge.simulate.link_fit import fit_link
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -71,6 +71,7 @@ def test_save_and_load_round_trip(tmp_path):
         threads_per_rank=2,
         op_overhead_s=12e-6,
         dtensor_op_overhead_s=40e-6,
+        fsdp_unit_overhead_s=1.1e-3,
         peak_flops={"float32": 2e11},
         attention_flops={"float32": 6e10},
         kind_links={"reduce_scatter": {2: Link(20e-6, 5e8), 8: Link(90e-6, 4e8)}},
@@ -166,21 +167,24 @@ def test_fit_leaves_out_a_timing_that_noise_moved(noise):
         fit_link(2, [(kind, n, 0.0) for kind, n, _ in timings])
 
 
-def _probe_host_costs() -> tuple[float, float, float]:
+def _probe_host_costs() -> tuple[float, float, float, float]:
     """The host probes as calibrate runs them: a tiny Llama's step per op; the DTensor probe's local
-    ops priced at the plain layers' cost per op."""
+    ops priced at the plain layers' cost per op; the FSDP probe's units."""
     plain_op = op_overhead("cpu", tiny_step)
-    return op_overhead(), plain_op, dtensor_op_overhead(plain_op)
+    return op_overhead(), plain_op, dtensor_op_overhead(plain_op), fsdp_unit_overhead()
 
 
-def test_a_dtensor_op_costs_the_host_more_than_a_local_op():
+def test_a_dtensor_op_and_an_fsdp_unit_cost_the_host_more_than_a_local_op():
     """The DTensor probe (a TP block's sharding propagation and redistribution on a fake 2-rank
-    mesh) runs, in a process of its own as calibrate runs it (it sets up a process group), and
-    prices a DTensor op above a plain op: its work is Python on top."""
+    mesh) and the FSDP probe (a tiny Llama wrapped as a run wraps it, on a fake 2-rank mesh) run, in
+    a process of their own as calibrate runs them (they set up a process group): a DTensor op costs
+    more than a plain op (its work is Python on top), and a unit's hooks per microbatch far more
+    (~150 ops' worth on this project's VM: unsharding, copies, resharding in Python)."""
     with trace_pool(1) as pool:
-        per_op, plain_op, per_dtensor_op = pool.submit(_probe_host_costs).result()
+        per_op, plain_op, per_dtensor_op, per_unit = pool.submit(_probe_host_costs).result()
     assert 0 < plain_op < per_op < 1e-3  # a transformer's op brings module calls, views, autograd nodes
     assert per_dtensor_op > per_op
+    assert 20 * per_op < per_unit < 0.1
 
 
 def test_each_rate_is_the_fastest_of_its_rounds(monkeypatch):

@@ -178,6 +178,30 @@ def test_fsdp_traffic_is_the_parameters_once_each_way(works):
     assert works["fsdp2"]["log_every"] == 5
 
 
+def test_each_forward_and_backward_counts_the_fsdp_units_it_runs(works):
+    """FSDP2's hooks cost the host per unit each time a unit runs forward or backward: debug_cpu's
+    units are its 4 blocks, the embeddings, norm + output (one fully_shard call) and the root. No
+    units where FSDP does not wrap the model, and none outside the forwards and backwards."""
+    units = args_from_config(debug().model).n_layers + 3
+    fsdp = works["fsdp2"]["costs"]
+    assert (fsdp["0:F0"]["fsdp_units"], fsdp["1:B0"]["fsdp_units"]) == (units, units) == (7, 7)
+    assert all(fsdp[p]["fsdp_units"] == 0 for p in ("sync", "log", "optimizer") if p in fsdp)
+    assert all(c["fsdp_units"] == 0 for name in ("one", "tp2") for c in works[name]["costs"].values())
+
+
+def test_a_pipeline_stage_counts_its_own_fsdp_units():
+    """Under pp each stage's actions count that stage's units: stage 0 one block, the embeddings and
+    its root; stage 1 three blocks, norm + output and its root; once per microbatch each."""
+    recipe = debug("mesh.dp_shard=2", "mesh.pp=2", "pp.layers_per_stage=[1,3]", "train.global_batch_size=8")
+    with trace_pool() as pool:
+        first, last = (pool.submit(trace_rank, recipe, r) for r in (0, 2))  # pp is the outermost dim
+        stages = {0: first.result()["work"], 1: last.result()["work"]}
+    for stage, want in ((0, 3), (1, 5)):
+        actions = stages[stage]["actions"]
+        counts = [stages[stage]["costs"][f"{i}:{k}{s}"]["fsdp_units"] for i, (s, k, _) in enumerate(actions)]
+        assert counts == [want] * len(actions) and len(actions) == 2 * recipe.pp.microbatches
+
+
 def test_tp_collectives_are_blocking_on_the_tp_group(works):
     forward = works["tp2"]["costs"]["0:F0"]["collectives"]
     assert forward and {(c[0], tuple(c[2]), c[3]) for c in forward} <= {
@@ -294,7 +318,7 @@ def test_a_deep_stage_extrapolates_to_its_full_trace_work():
     assert grown.keys() == full.keys()
     assert any(c["attention_flops"] for c in full.values())
     for phase, cost in full.items():
-        for key in ("flops", "attention_flops", "memory_bytes", "ops", "dtensor_ops"):
+        for key in ("flops", "attention_flops", "memory_bytes", "ops", "dtensor_ops", "fsdp_units"):
             assert grown[phase][key] == pytest.approx(cost[key], rel=1e-12), (phase, key)
         want = {tuple(c[:-1]): c[-1] for c in cost["collectives"]}
         got = {tuple(c[:-1]): c[-1] for c in grown[phase]["collectives"] if c[-1]}
@@ -356,16 +380,19 @@ def test_a_prediction_prices_flops_bytes_ops_and_links():
         "memory_bytes": 1e9,
         "ops": 1000,
         "dtensor_ops": 500,
+        "fsdp_units": 8,
         "collectives": [["all_reduce", int(1e9), (0, 1), False, 1]],
     }
     work = {"costs": {"0:F0": cost, "1:B0": cost}, "actions": [(0, "F", 0), (0, "B", 0)], "boundary_bytes": 0}
     # CPU ranks (cores shared, enough of them): the host's work adds to the device's
-    profile = dataclasses.replace(CPU, shared_cores=2, op_overhead_s=1e-3, dtensor_op_overhead_s=2e-3)
+    profile = dataclasses.replace(
+        CPU, shared_cores=2, op_overhead_s=1e-3, dtensor_op_overhead_s=2e-3, fsdp_unit_overhead_s=0.5
+    )
     p = predict_step({0: work}, ParallelDims(dp_shard=2), 1, profile)
-    # per phase: 2 s of matmuls + 1 s of memory + 1 s of ops + 1 s of DTensor dispatch, and an
-    # all-reduce of 1 GB on 2 ranks: 1 s
-    assert p.step_s == pytest.approx(2 * (5 + 1))
-    assert p.compute_s == pytest.approx(10) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
+    # per phase: 2 s of matmuls + 1 s of memory + 1 s of ops + 1 s of DTensor dispatch + half of
+    # 8 units' hooks (a forward's or a backward's: 2 s), and an all-reduce of 1 GB on 2 ranks: 1 s
+    assert p.step_s == pytest.approx(2 * (7 + 1))
+    assert p.compute_s == pytest.approx(14) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
     assert p.host_s == 0  # in compute: a CPU rank's host is its device
 
 

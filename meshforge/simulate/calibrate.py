@@ -39,6 +39,7 @@ from meshforge.simulate.hardware import Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import (
     WARMUP,
     dtensor_op_overhead,
+    fsdp_unit_overhead,
     op_overhead,
     tiny_step,
 )
@@ -93,6 +94,7 @@ def calibrate(
         calibrated_world=world,
         op_overhead_s=rates["op_overhead_s"],
         dtensor_op_overhead_s=rates["dtensor_op_overhead_s"],
+        fsdp_unit_overhead_s=rates["fsdp_unit_overhead_s"],
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
     )
@@ -222,6 +224,7 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
     plain_op = _least(op_overhead, "cpu", tiny_step)
     result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, plain_op)
+    result["fsdp_unit_overhead_s"] = _least(fsdp_unit_overhead)  # FSDP2's hooks: the host's, too
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}
@@ -312,6 +315,12 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
         "per DTensor op",
         f"{profile.dtensor_op_overhead_s * 1e6:.1f} us",
         "a TP block's DTensor ops (fake 2-rank mesh), beyond their local ops",
+    )
+    table.add_row(
+        "per FSDP unit",
+        f"{profile.fsdp_unit_overhead_s * 1e3:.2f} ms",
+        "its hooks per microbatch, forward and backward (a tiny Llama fully_shard-ed on a fake "
+        "2-rank mesh), beyond their ops",
     )
     for g, link in sorted(profile.links.items()):
         table.add_row(

@@ -60,6 +60,9 @@ class Profile:
     # host cost of each op on DTensors (TP, CP, EP), beyond its local ops: DTensor's dispatch
     # (sharding propagation, wrapping) in Python; 0 on a GPU, hidden as op_overhead_s is
     dtensor_op_overhead_s: float = 0.0
+    # host cost of one FSDP unit's hooks per microbatch, its forward and backward together, beyond
+    # the ops they dispatch (unsharding, copy-in, resharding, reduce-scatter bookkeeping in Python)
+    fsdp_unit_overhead_s: float = 0.0
     peak_flops: dict[str, float] = field(default_factory=dict)  # compute dtype -> the peak MFU is against
     device_memory_gib: float = 0.0  # what fits (0: not judged, as on CPU ranks sharing host memory)
     # collective kind -> group size -> its own link, where one kind runs slower than the shared fit
@@ -164,6 +167,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "calibrated_world": profile.calibrated_world,
         "op_overhead_s": profile.op_overhead_s,
         "dtensor_op_overhead_s": profile.dtensor_op_overhead_s,
+        "fsdp_unit_overhead_s": profile.fsdp_unit_overhead_s,
         "device_memory_gib": profile.device_memory_gib,
         "memory_Bps": profile.memory_Bps,
         "matmul_flops": dict(profile.matmul_flops),
@@ -223,6 +227,7 @@ SCALARS = {
     "calibrated_world": (False, _count(0)),
     "op_overhead_s": (False, _non_negative),
     "dtensor_op_overhead_s": (False, _non_negative),
+    "fsdp_unit_overhead_s": (False, _non_negative),
     "device_memory_gib": (False, _non_negative),
 }
 TABLES = ("matmul_flops", "attention_flops", "peak_flops", "links", "kind_links", "inter_node")
@@ -313,6 +318,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         calibrated_world=data.get("calibrated_world", 0),
         op_overhead_s=float(data.get("op_overhead_s", 0.0)),
         dtensor_op_overhead_s=float(data.get("dtensor_op_overhead_s", 0.0)),
+        fsdp_unit_overhead_s=float(data.get("fsdp_unit_overhead_s", 0.0)),
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
         attention_flops={dtype: float(rate) for dtype, rate in attention.items()},
         device_memory_gib=float(data.get("device_memory_gib", 0.0)),

@@ -1,5 +1,6 @@
 """The host's work per op, timed on models too small for their arithmetic to count: what
-`meshforge tune --calibrate` prices each op (and each op on DTensors) of a traced step at; and
+`meshforge tune --calibrate` prices each op (each op on DTensors, each FSDP unit's hooks) of a
+traced step at; and
 the median timing both it and calibrate.py's rates use."""
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from meshforge.configs.schema import FSDPConfig
 from meshforge.models.llama import LlamaArgs, Transformer
+from meshforge.parallelisms.fsdp import apply_fsdp, fsdp_units
 from meshforge.simulate.op_costs import CostRecorder, PhaseCost
 
 WARMUP, REPEATS = 2, 7
@@ -72,23 +75,32 @@ def _host_seconds_per_step(step: Callable[[], None], device: str = "cpu") -> tup
     return median_seconds(step, device), recorder.phases["step"]
 
 
-def tiny_llama_step(device: str = "cpu") -> Callable[[], None]:
-    """A training step (gradients cleared, forward, loss, backward) of a Llama too small for its
-    arithmetic to count, built from the family's own blocks (RMSNorm, RoPE, grouped-query
-    attention, SwiGLU): the host's work per op as a transformer's step pays it. Its module calls,
-    views and autograd nodes come with each op: ~7 us per counted op here, where the plain
-    linear/norm/activation stack (`tiny_step`) reads ~3.7."""
-    args = LlamaArgs(
-        dim=16, n_layers=4, n_heads=2, n_kv_heads=1, vocab_size=16, multiple_of=8, max_seq_len=16
-    )
-    model = Transformer(args).to(device)
-    tokens = torch.randint(0, args.vocab_size, (1, 8), device=device)
+TINY_LLAMA = LlamaArgs(
+    dim=16, n_layers=4, n_heads=2, n_kv_heads=1, vocab_size=16, multiple_of=8, max_seq_len=16
+)
+
+
+def _llama_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
+    """A training step of `model` on `tokens`: gradients cleared, forward, loss, backward."""
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
 
     return step
+
+
+def _tiny_llama(device: str = "cpu") -> tuple[Transformer, torch.Tensor]:
+    model = Transformer(TINY_LLAMA).to(device)
+    return model, torch.randint(0, TINY_LLAMA.vocab_size, (1, 8), device=device)
+
+
+def tiny_llama_step(device: str = "cpu") -> Callable[[], None]:
+    """A training step of a Llama too small for its arithmetic to count, built from the family's
+    own blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU): the host's work per op as a
+    transformer's step pays it. Its module calls, views and autograd nodes come with each op: ~7 us
+    per counted op here, where the plain linear/norm/activation stack (`tiny_step`) reads ~3.7."""
+    return _llama_step(*_tiny_llama(device))
 
 
 def op_overhead(device: str = "cpu", probe: Callable[[str], Callable[[], None]] = tiny_llama_step) -> float:
@@ -122,6 +134,26 @@ def dtensor_op_overhead(per_op: float) -> float:
     finally:
         dist.destroy_process_group()
     return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
+
+
+def fsdp_unit_overhead() -> float:
+    """Seconds of host work per FSDP unit per microbatch (its forward and backward) beyond the ops
+    it dispatches: FSDP2's hooks in Python (unsharding, copy-in and -out, resharding, the
+    reduce-scatter's bookkeeping). The tiny Llama's step wrapped as a run wraps it (per block, the
+    embeddings, norm + output, the root) over 2 ranks under torch's fake process group (its
+    collectives do nothing), against the same step unsharded timed just before: the difference,
+    less the extra ops at the unsharded step's cost per op, over the units. ~1.2 ms a unit on this
+    project's 2-core VM, ~150 ops' worth. Host work whatever the device: probed on CPU tensors."""
+    seconds, cost = _host_seconds_per_step(tiny_llama_step())
+    per_op = seconds / cost.ops
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model, tokens = _tiny_llama()
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), FSDPConfig())  # as a run wraps it
+        sharded, sharded_cost = _host_seconds_per_step(_llama_step(model, tokens))
+    finally:
+        dist.destroy_process_group()
+    return max(0.0, sharded - sharded_cost.ops * per_op) / fsdp_units(model)
 
 
 class _TPStack(torch.nn.Module):

@@ -111,6 +111,8 @@ class PhaseCost:
     memory_bytes: float = 0.0  # read + written by the ops that are not matmuls
     ops: int = 0  # local ops dispatched (each has a fixed host cost on top of its work)
     dtensor_ops: int = 0  # ops on DTensors: DTensor's sharding and redistribution logic, per op, on the host
+    # FSDP units' forwards (in a forward phase) or backwards (in a backward): their hooks' host work
+    fsdp_units: int = 0
     # (kind, bytes, group ranks, overlapped) -> count
     collectives: Counter = dataclasses.field(default_factory=Counter)
 
@@ -121,6 +123,7 @@ class PhaseCost:
             "memory_bytes": self.memory_bytes,
             "ops": self.ops,
             "dtensor_ops": self.dtensor_ops,
+            "fsdp_units": self.fsdp_units,
             "collectives": [[*key, n] for key, n in self.collectives.items()],
         }
 

@@ -22,7 +22,7 @@ from meshforge.models import args_from_config
 from meshforge.models.moe import has_experts
 from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.cp import forget_cached_tensors
-from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, quiet_embedding_view_warning
+from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, fsdp_units, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.parallelisms.tied import tie_across_stages
@@ -75,6 +75,8 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             quiet_embedding_view_warning(),
         ):
             _run_actions(recipe, dims, pmodel, actions, tracker)
+            if work:
+                _count_fsdp_units(recorder, pmodel, actions)
             tracker.phase = "reduce"
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
@@ -245,6 +247,16 @@ def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list
     mine = pipeline_order(schedule)[dims.coordinate(rank)["pp"]]
     stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps a list, or one
     return [a for a in map(parse_action, mine) if a is not None], stages
+
+
+def _count_fsdp_units(recorder: CostRecorder, pmodel, actions: list[tuple[int, str, int]]) -> None:
+    """Each forward and backward of a stage runs the hooks of every FSDP unit in it once (its
+    blocks, embeddings, norm + output, the stage's root, an MoE block's experts): their host work,
+    priced per unit."""
+    units = {stage: fsdp_units(part) for stage, part in zip(pmodel.stage_ids, pmodel.parts)}
+    for i, (stage, kind, _) in enumerate(actions):
+        if kind in "FBI" and units[stage]:  # W: the weight-gradient half, hooked with its input half
+            recorder.phases[f"{i}:{kind}{stage}"].fsdp_units += units[stage]
 
 
 def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
