@@ -4,12 +4,17 @@ tune fixture)."""
 
 from __future__ import annotations
 
+import tempfile
+from functools import partial
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 
 from meshforge.core.errors import RecipeError, RunError, UsageError
-from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
-from meshforge.simulate.calibrate import calibrate, cost_under_load, local_profile
+from meshforge.run.observe.flops import GPU_PEAK_TFLOPS, usable_cores
+from meshforge.simulate.calibrate import _launch, calibrate, cost_under_load, local_profile
+from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, fsdp_unit_overhead, op_overhead, tiny_step
@@ -48,15 +53,39 @@ def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
     text = text.replace("memory_Bps =", "bandwith_Bps = 1\nmemory_Bps =")
     text = text.replace("[links.4]\nlatency_s", "[links.4]\nlatency = 1\nlatency_s")
     text = text.replace("float32 = 5.0e13", "float32 = -1\nfloat64 = 1e12")
+    text += "\n[sharing_slowdown]\n4 = 1.1\n8 = 0.9\n1 = 2.0\n"
     path = tmp_path / "mine.toml"
     path.write_text(text)
     with pytest.raises(RecipeError) as caught:
         load_profile(str(path))
     fields = {p.field: p.message for p in caught.value.problems}
-    assert set(fields) == {"bandwith_Bps", "links.4.latency", "matmul_flops.float32", "matmul_flops.float64"}
+    assert set(fields) == {
+        "bandwith_Bps",
+        "links.4.latency",
+        "matmul_flops.float32",
+        "matmul_flops.float64",
+        "sharing_slowdown.8",  # faster than an equal share of the cores
+        "sharing_slowdown.1",  # one rank shares nothing
+    }
     assert "did you mean latency_s" in fields["links.4.latency"]
     assert "unknown key" in fields["bandwith_Bps"] and "> 0" in fields["matmul_flops.float32"]
     assert str(path) in caught.value.source
+
+
+def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
+    """Calibrate times ranks sharing the cores for each divisor of the world whose threads outnumber
+    the cores; one rank more than this machine's cores measures a slowdown for that count, at least
+    1 (an equal share of the cores at best) and not wildly more."""
+    assert counts_to_measure(8, 1, 2) == [4, 8] and counts_to_measure(6, 1, 2) == [3, 6]
+    assert counts_to_measure(8, 2, 2) == [2, 4, 8] and counts_to_measure(2, 1, 2) == []
+    world = usable_cores() + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        sharing = partial(measure_sharing, timeout_s=120)
+        measured = _launch(sharing, world, 1, Path(tmp) / "sharing", "cpu")
+    assert (
+        set(measured) == {str(n) for n in counts_to_measure(world, 1, world - 1)} and str(world) in measured
+    )
+    assert all(1.0 <= s < 3.0 for s in measured.values())
 
 
 def test_a_missing_profile_names_the_shipped_ones():
@@ -72,6 +101,7 @@ def test_save_and_load_round_trip(tmp_path):
         op_overhead_s=12e-6,
         dtensor_op_overhead_s=40e-6,
         fsdp_unit_overhead_s=1.1e-3,
+        sharing_slowdown={4: 1.08, 8: 1.2},
         peak_flops={"float32": 2e11},
         attention_flops={"float32": 6e10},
         kind_links={"reduce_scatter": {2: Link(20e-6, 5e8), 8: Link(90e-6, 4e8)}},

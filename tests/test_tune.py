@@ -22,6 +22,7 @@ from meshforge.run.observe.memory import LOGGED_FIGURES, rank_memory
 from meshforge.run.observe.memtrace import make_tracker, peak_categories
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import cross_entropy_sum
+from meshforge.simulate.core_sharing import counts_to_measure
 from meshforge.simulate.estimate import Extrapolated, _grow_collectives, submit_trace, trace_pool
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.op_costs import CostRecorder
@@ -372,6 +373,29 @@ def test_ranks_that_share_cores_share_their_time():
     shared = dataclasses.replace(CPU, shared_cores=2)
     ends, _ = simulate_timed({0: one}, 0.0, 8, shared)
     assert ends[0][0] == pytest.approx(4 * 3.25 + 0.5)
+    # and slower still by what 8 ranks sharing 2 cores were measured to lose (context switches)
+    slowed = dataclasses.replace(shared, sharing_slowdown={4: 1.1, 8: 1.2})
+    ends, _ = simulate_timed({0: one}, 0.0, 8, slowed)
+    assert ends[0][0] == pytest.approx(1.2 * 4 * 3.25 + 0.5)
+
+
+def test_a_ranks_share_of_the_cores_is_slowed_as_measured_between_counts():
+    """Up to the cores' count a rank runs as fast as alone; beyond, an equal share of the cores
+    divided by the slowdown measured for that many ranks, linear between the counts measured (and
+    from 1 at the cores' count), the largest count's beyond them; a GPU's ranks share nothing."""
+    cpu = dataclasses.replace(CPU, shared_cores=2, sharing_slowdown={4: 1.1, 8: 1.2})
+    assert cpu.core_share(1) == cpu.core_share(2) == 1.0
+    assert cpu.core_share(3) == pytest.approx(2 / 3 / 1.05)
+    assert cpu.core_share(4) == pytest.approx(2 / 4 / 1.1)
+    assert cpu.core_share(6) == pytest.approx(2 / 6 / 1.15)
+    assert cpu.core_share(16) == pytest.approx(2 / 16 / 1.2)
+    assert dataclasses.replace(cpu, sharing_slowdown={}).core_share(8) == pytest.approx(2 / 8)
+    # ranks of 2 threads: 1 rank fills the 2 cores; 2 ranks are a third of the way to the 4 measured
+    two_threads = dataclasses.replace(cpu, threads_per_rank=2)
+    assert two_threads.core_share(1) == 1.0 and two_threads.core_share(2) == pytest.approx(
+        2 / 4 / (1 + 0.1 / 3)
+    )
+    assert dataclasses.replace(cpu, shared_cores=0).core_share(64) == 1.0
 
 
 def test_a_prediction_prices_flops_bytes_ops_and_links():
@@ -707,7 +731,9 @@ def test_the_tunes_calibration_measured_plausible_numbers(tuned, tmp_path):
     # flash attention on a CPU: slower than the matmuls, not by orders of magnitude in fp32
     assert sorted(profile.attention_flops) == ["bfloat16", "float32"]
     assert 0.05 < profile.attention_rate("float32") / profile.matmul_rate("float32") < 2
-    assert profile.memory_Bps > 0 and profile.op_overhead_s > 0
+    assert profile.memory_Bps > 0 and 0 < profile.op_overhead_s < profile.fsdp_unit_overhead_s < 0.1
+    # 2 ranks on this machine's cores: sharing measured only where they outnumber the cores
+    assert set(profile.sharing_slowdown) == set(counts_to_measure(2, 1, profile.shared_cores))
     assert list(profile.links) == [2] and profile.calibrated_world == 2 and profile.shared_cores >= 1
     link = profile.link(2, False)
     assert 0 <= link.latency_s < 0.1 and link.bandwidth_Bps > 0

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from meshforge.core.errors import RunError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops, usable_cores
+from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.hardware import Profile, load_profile, save_profile
 from meshforge.simulate.host_probes import (
     WARMUP,
@@ -69,6 +71,9 @@ def calibrate(
         timings = (
             _launch(_measure_links, world, threads_per_rank, Path(tmp) / "links", "cpu") if world > 1 else []
         )
+        counts = counts_to_measure(world, threads_per_rank, cores := usable_cores())
+        sharing = partial(measure_sharing, timeout_s=TIMEOUT_S)  # more ranks than cores: its cost
+        slowdowns = _launch(sharing, world, threads_per_rank, Path(tmp) / "sharing", "cpu") if counts else {}
     collectives = [timing for timing in timings if timing[1] != "send"]  # a send is not a collective's
     fits = {
         g: fit_link(g, [(kind, n, t) for size, kind, n, t in collectives if size == g])
@@ -76,7 +81,6 @@ def calibrate(
     }
     kind_links = fit_kind_links(timings, list(fits), (*COLLECTIVES, "send"))
     node = platform.node() or "this machine"
-    cores = usable_cores()
     profile = Profile(
         name=node,
         source=(
@@ -97,6 +101,7 @@ def calibrate(
         fsdp_unit_overhead_s=rates["fsdp_unit_overhead_s"],
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
+        sharing_slowdown={int(n): s for n, s in slowdowns.items()},
     )
     _keep(profile, out, console, start, {g: err for g, (_, err) in fits.items()})
     return profile
@@ -322,6 +327,12 @@ def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
         "its hooks per microbatch, forward and backward (a tiny Llama fully_shard-ed on a fake "
         "2-rank mesh), beyond their ops",
     )
+    if profile.sharing_slowdown:
+        table.add_row(
+            "ranks sharing cores",
+            ", ".join(f"{n}: x{s:.2f}" for n, s in sorted(profile.sharing_slowdown.items())),
+            f"a tiny Llama's step on n ranks at once, over its share of {profile.shared_cores} cores",
+        )
     for g, link in sorted(profile.links.items()):
         table.add_row(
             f"groups of {g}",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tomli_w
 import tomllib
 
@@ -71,6 +72,20 @@ class Profile:
     # compute dtype -> FLOP/s of attention (SDPA forward and backward, FLOPs as torch's registry
     # counts them: a causal mask not discounted); a dtype without one is priced at matmul_rate
     attention_flops: dict[str, float] = field(default_factory=dict)
+    # CPU: ranks computing at once, more than the cores -> how much longer each takes than its equal
+    # share of the cores (context switches, caches refilled after each); 1 where not measured
+    sharing_slowdown: dict[int, float] = field(default_factory=dict)
+
+    def core_share(self, computing: int) -> float:
+        """Each rank's rate, as a share of its rate alone, while `computing` ranks compute on the
+        shared cores: an equal share of them, slowed by `sharing_slowdown` (linear in the count
+        between the cores' count, 1, and the counts measured; the largest count's beyond it)."""
+        per_rank = max(1, self.threads_per_rank)
+        if not self.shared_cores or computing * per_rank <= self.shared_cores:
+            return 1.0
+        counts = [self.shared_cores / per_rank, *sorted(self.sharing_slowdown)]
+        slowdown = float(np.interp(computing, counts, [1.0, *(self.sharing_slowdown[n] for n in counts[1:])]))
+        return self.shared_cores / (computing * per_rank) / slowdown
 
     def attention_rate(self, dtype: str) -> float:
         """FLOP/s of attention in `dtype`: its own measured rate, else the matmul rate."""
@@ -173,6 +188,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "matmul_flops": dict(profile.matmul_flops),
         "peak_flops": dict(profile.peak_flops),
         "attention_flops": dict(profile.attention_flops),
+        "sharing_slowdown": {str(n): s for n, s in sorted(profile.sharing_slowdown.items())},
         "links": {str(n): _link_dict(link) for n, link in sorted(profile.links.items())},
         "kind_links": {
             kind: {str(n): _link_dict(link) for n, link in sorted(links.items())}
@@ -230,7 +246,15 @@ SCALARS = {
     "fsdp_unit_overhead_s": (False, _non_negative),
     "device_memory_gib": (False, _non_negative),
 }
-TABLES = ("matmul_flops", "attention_flops", "peak_flops", "links", "kind_links", "inter_node")
+TABLES = (
+    "matmul_flops",
+    "attention_flops",
+    "peak_flops",
+    "links",
+    "kind_links",
+    "inter_node",
+    "sharing_slowdown",
+)
 LINK_KEYS = {"latency_s": (True, _non_negative), "bandwidth_Bps": (True, _positive)}
 
 
@@ -278,6 +302,11 @@ def profile_from_dict(data: dict, source: str) -> Profile:
     check_keys("peak_flops.", peaks, {dtype: (False, _positive) for dtype in DTYPES})
     attention = table("attention_flops", "attention FLOP/s by compute dtype")
     check_keys("attention_flops.", attention, {dtype: (False, _positive) for dtype in DTYPES})
+    slowdowns = table("sharing_slowdown", "slowdowns by the count of ranks computing at once")
+    for count, v in slowdowns.items():
+        if not count.isdigit() or int(count) < 2 or not _is_number(v) or v < 1:
+            fix = "a count of ranks (an integer >= 2) = a slowdown >= 1 ([sharing_slowdown] 8 = 1.25)"
+            problems.append(Problem(f"sharing_slowdown.{count}", v, fix))
     per_node = data.get("ranks_per_node")
 
     def sized_links(where: str, value: dict) -> dict[int, Link]:
@@ -321,6 +350,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         fsdp_unit_overhead_s=float(data.get("fsdp_unit_overhead_s", 0.0)),
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
         attention_flops={dtype: float(rate) for dtype, rate in attention.items()},
+        sharing_slowdown={int(n): float(s) for n, s in slowdowns.items()},
         device_memory_gib=float(data.get("device_memory_gib", 0.0)),
         kind_links=kind_links,
     )

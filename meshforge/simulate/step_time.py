@@ -19,10 +19,11 @@ Pipelines: every pp rank's actions in its schedule's order, each waiting for wha
 previous stage's forward, the next stage's backward, plus the send between them): the makespan is
 the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
 profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
-ranks leave their cores to the others (processor sharing). The step ends with every rank's
-reduction, its sync collectives (the gradient norm's and the loss's synchronise the ranks),
-optimizer step and, on one step in `logging.log_every`, the logged memory figures' gather over
-the world.
+ranks leave their cores to the others (processor sharing), and more ranks than cores each run
+slower still than their share (`sharing_slowdown`: context switches, caches refilled; calibrated).
+The step ends with every rank's reduction, its sync collectives (the gradient norm's and the
+loss's synchronise the ranks), optimizer step and, on one step in `logging.log_every`, the logged
+memory figures' gather over the world.
 
 Ignored (said where the tune prints): clipping's multiply, the data loader, the host work between
 steps beyond the logged step's gather (writing the logs), and kernel overlap inside a phase.
@@ -177,23 +178,20 @@ def simulate_timed(
     """Play the pp ranks' timelines (module doc): each action starts once its inputs arrived
     (`send_s` after the neighbour's action ended); under shared cores the ranks computing at a
     moment, each with its `peers` (the dp/cp/tp ranks doing the same at once), share the cores
-    equally. Per rank: (when it finished, when its schedule did), and its time busy in the
-    schedule."""
+    equally, each slowed by what sharing them costs (Profile.core_share). Per rank: (when it
+    finished, when its schedule did), and its time busy in the schedule."""
     last_stage = max(a.key[0] for acts in timelines.values() for a in acts)
     queues = {r: list(acts) for r, acts in timelines.items()}
     ended: dict[tuple[int, str, int], float] = {}  # an action -> when it ended
     running: dict[int, list] = {}  # rank -> [action, work left, wall left]
     ends, busy, now = {}, dict.fromkeys(queues, 0.0), 0.0
-    threads = max(1, profile.threads_per_rank)
     while any(queues.values()) or running:
         for r, q in queues.items():
             if r not in running and q and _ready(q[0].key, ended, now, send_s, last_stage):
                 a = q.pop(0)
                 running[r] = [a, a.work, a.wall]
         computing = [r for r, s in running.items() if s[1] > 0]
-        rate = 1.0
-        if profile.shared_cores and computing:
-            rate = min(1.0, profile.shared_cores / (len(computing) * peers * threads))
+        rate = profile.core_share(len(computing) * peers) if computing else 1.0
         steps = [s[1] / rate if s[1] > 0 else s[2] for s in running.values()]
         steps += [t + send_s - now for t in ended.values() if t + send_s > now + 1e-12]
         if not steps:
