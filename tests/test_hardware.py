@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from meshforge.core.errors import RecipeError, RunError, UsageError
-from meshforge.run.observe.flops import GPU_PEAK_TFLOPS, usable_cores
+from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
 from meshforge.simulate.calibrate import _launch, calibrate, cost_under_load, local_profile
 from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.fake_rank import trace_pool
@@ -74,18 +74,15 @@ def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
 
 def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
     """Calibrate times ranks sharing the cores for each divisor of the world whose threads outnumber
-    the cores; one rank more than this machine's cores measures a slowdown for that count, at least
-    1 (an equal share of the cores at best) and not wildly more."""
+    the cores. 3 ranks told there are 2 cores: each step against 1.5x alone, at least 1 (faster than
+    an equal share is noise) and well under the 1.5 that leaving out the equal share would read
+    (this machine: 1.10 for 4 ranks on its 2 cores; a machine with 3 cores or more reads 1)."""
     assert counts_to_measure(8, 1, 2) == [4, 8] and counts_to_measure(6, 1, 2) == [3, 6]
     assert counts_to_measure(8, 2, 2) == [2, 4, 8] and counts_to_measure(2, 1, 2) == []
-    world = usable_cores() + 1
     with tempfile.TemporaryDirectory() as tmp:
-        sharing = partial(measure_sharing, timeout_s=120)
-        measured = _launch(sharing, world, 1, Path(tmp) / "sharing", "cpu")
-    assert (
-        set(measured) == {str(n) for n in counts_to_measure(world, 1, world - 1)} and str(world) in measured
-    )
-    assert all(1.0 <= s < 3.0 for s in measured.values())
+        sharing = partial(measure_sharing, cores=2, timeout_s=120)
+        measured = _launch(sharing, 3, 1, Path(tmp) / "sharing", "cpu")
+    assert list(measured) == ["3"] and 1.0 <= measured["3"] < 1.45
 
 
 def test_a_missing_profile_names_the_shipped_ones():

@@ -396,6 +396,26 @@ def test_a_ranks_share_of_the_cores_is_slowed_as_measured_between_counts():
         2 / 4 / (1 + 0.1 / 3)
     )
     assert dataclasses.replace(cpu, shared_cores=0).core_share(64) == 1.0
+    # a count at or below the cores' (a profile copied to a bigger machine) slows nothing
+    bigger = dataclasses.replace(cpu, shared_cores=4)
+    assert bigger.core_share(4) == 1.0 and bigger.core_share(6) == pytest.approx(4 / 6 / 1.1)
+    # ranks of more threads than cores: alone each used both, so 2 ranks get half of that
+    four_threads = dataclasses.replace(cpu, threads_per_rank=4, sharing_slowdown={})
+    assert four_threads.core_share(1) == 1.0 and four_threads.core_share(2) == pytest.approx(0.5)
+
+
+def test_a_profile_names_what_it_does_not_price():
+    """A CPU profile calibrated before FSDP's hooks and core sharing were measured, and the shipped
+    GPU profiles (their hosts' FSDP hooks never measured), say what their predictions leave out."""
+    old = dataclasses.replace(CPU, shared_cores=2, calibrated_world=8)
+    assert old.unpriced(8) == [
+        "FSDP's hooks per unit (fsdp_unit_overhead_s)",
+        "what ranks sharing the cores lose beyond their share (sharing_slowdown)",
+    ]
+    assert len(old.unpriced(2)) == 1  # 2 ranks on 2 cores: nothing to share
+    new = dataclasses.replace(old, fsdp_unit_overhead_s=1e-3, sharing_slowdown={4: 1.1, 8: 1.15})
+    assert new.unpriced(8) == []
+    assert load_profile("h100").unpriced(8) == ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
 
 
 def test_a_prediction_prices_flops_bytes_ops_and_links():
@@ -615,6 +635,8 @@ def test_a_tune_plan_says_when_layouts_change_the_global_batch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "highest tokens/s first" in proc.stdout
     assert "train on 64 to 128 tokens per step" in " ".join(proc.stdout.split()), proc.stdout
+    # the shipped profile never measured its host's FSDP hooks: said before the table
+    assert "profile h100 does not price FSDP's hooks per unit" in " ".join(proc.stdout.split())
     # 4 of the 5 layouts of 2 ranks ranked; pp2 refused (its 4 microbatches need 4 samples), said so
     assert re.search(r"^predicted 4 of 5 points in \d+ s \(1 refused\)$", proc.stdout, re.MULTILINE)
 

@@ -97,6 +97,9 @@ def tune(
     console.print(
         f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
     )
+    if missing := profile.unpriced(world):  # a step predicted short by what the profile never measured
+        fix = "meshforge tune --calibrate measures them on the machine that runs the tune's layouts"
+        console.print(f"profile {profile.name} does not price {' or '.join(missing)}: {fix}", highlight=False)
     limit = sw.device_memory_gib or profile.device_memory_gib or None
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
     if launcher == "slurm":

@@ -59,7 +59,7 @@ def calibrate(
     world: int, threads_per_rank: int, out: Path | None, console: Console, device: str = "cpu"
 ) -> Profile:
     """Measure this machine, print a summary to `console`, write the profile to `out` (TOML) if
-    given, and return it. Here (2 cores) about 8 s for world 2 and 40 s for world 8, most of it
+    given, and return it. Here (2 cores) about 10 s for world 2 and 45 s for world 8, most of it
     the links timed behind compute."""
     if world < 1 or threads_per_rank < 1:
         raise UsageError(f"calibrate needs world >= 1 and threads >= 1, not {world} and {threads_per_rank}")
@@ -71,8 +71,9 @@ def calibrate(
         timings = (
             _launch(_measure_links, world, threads_per_rank, Path(tmp) / "links", "cpu") if world > 1 else []
         )
-        counts = counts_to_measure(world, threads_per_rank, cores := usable_cores())
-        sharing = partial(measure_sharing, timeout_s=TIMEOUT_S)  # more ranks than cores: its cost
+        cores = usable_cores()
+        sharing = partial(measure_sharing, cores=cores, timeout_s=TIMEOUT_S)  # beyond their share
+        counts = counts_to_measure(world, threads_per_rank, cores)
         slowdowns = _launch(sharing, world, threads_per_rank, Path(tmp) / "sharing", "cpu") if counts else {}
     collectives = [timing for timing in timings if timing[1] != "send"]  # a send is not a collective's
     fits = {
@@ -220,7 +221,8 @@ def _least(probe: Callable[..., float], *args) -> float:
 
 def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str) -> None:
     """One rank alone (with `threads` threads on a CPU; or one GPU): matmul and attention FLOP/s per
-    dtype, memory-bound bytes/s (rate_probes.py), the host's work per op and per DTensor op."""
+    dtype, memory-bound bytes/s (rate_probes.py), the host's work per op, per DTensor op and per
+    FSDP unit."""
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device, PROBE_ROUNDS)

@@ -1,22 +1,23 @@
 """What sharing CPU cores costs beyond each rank's equal share of them, as `meshforge tune
 --calibrate` measures it: the tiny Llama's step (host_probes) timed on one rank alone, then on n
-ranks at once for every n of the calibrated world above the cores. With 8 ranks on this project's
-2 cores each step took 1.21-1.31x its equal share (a quarter of the cores), 4 ranks 1.02-1.16x:
-context switches, and caches refilled after each (a matmul whose operands stay in L2 lost 1-5%,
-one with a 4 MiB operand 30%)."""
+ranks at once for every n of the calibrated world whose threads outnumber the cores. On this
+project's 2 cores calibrations read 1.10-1.11 for 4 ranks and 1.15-1.16 for 8 (a step's time over
+its equal share of the cores): context switches, and caches refilled after each (spawned processes
+stepping longer read 1.02-1.16 and 1.21-1.31; a matmul whose operands stay in L2 lost 1-5% at 8
+ranks, one with a 4 MiB operand 30%)."""
 
 from __future__ import annotations
 
 import json
 import statistics
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from meshforge.run.observe.flops import usable_cores
 from meshforge.simulate.host_probes import WARMUP, tiny_llama_step
 
 STEPS = 100  # steps per timing: ~1 s with 8 ranks on 2 cores (20 read no slowdown: too short)
@@ -29,11 +30,14 @@ def counts_to_measure(world: int, threads: int, cores: int) -> list[int]:
     return [n for n in range(2, world + 1) if world % n == 0 and n * threads > cores]
 
 
-def measure_sharing(rank: int, world: int, threads: int, folder: str, device: str, timeout_s: float) -> None:
+def measure_sharing(
+    rank: int, world: int, threads: int, folder: str, device: str, cores: int, timeout_s: float
+) -> None:
     """One of `world` ranks: each count's ranks (the first n) step the tiny Llama at once, the rest
     wait; rank 0 writes {n: slowdown} to folder/result.json, the slowdown being the median rank's
-    seconds a step over its equal share's (alone x n x threads / cores), at least 1. CPU ranks only
-    (`device` is calibrate's launcher's argument)."""
+    seconds a step over its equal share's (alone x n x the cores one rank used / cores), at least 1
+    (faster than an equal share is noise). `cores` comes from the caller, so every rank measures
+    the same counts (their collectives must match). CPU ranks only (`device`: the launcher's)."""
     torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo",
@@ -42,7 +46,6 @@ def measure_sharing(rank: int, world: int, threads: int, folder: str, device: st
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
-    cores = usable_cores()
     step = tiny_llama_step()
     for _ in range(WARMUP):
         step()
@@ -59,11 +62,12 @@ def measure_sharing(rank: int, world: int, threads: int, folder: str, device: st
     dist.destroy_process_group()
     if rank == 0:
         alone = seconds.pop(1)
-        slowdown = {n: max(1.0, s / (alone * n * threads / cores)) for n, s in seconds.items()}
+        used = min(threads, cores)  # cores one rank alone used
+        slowdown = {n: max(1.0, s / (alone * n * used / cores)) for n, s in seconds.items()}
         Path(folder, "result.json").write_text(json.dumps(slowdown))
 
 
-def _seconds_per_step(step) -> float:
+def _seconds_per_step(step: Callable[[], None]) -> float:
     start = time.perf_counter()
     for _ in range(STEPS):
         step()

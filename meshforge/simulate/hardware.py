@@ -78,14 +78,27 @@ class Profile:
 
     def core_share(self, computing: int) -> float:
         """Each rank's rate, as a share of its rate alone, while `computing` ranks compute on the
-        shared cores: an equal share of them, slowed by `sharing_slowdown` (linear in the count
-        between the cores' count, 1, and the counts measured; the largest count's beyond it)."""
-        per_rank = max(1, self.threads_per_rank)
+        shared cores: an equal share of them (a rank alone used at most all of them), slowed by
+        `sharing_slowdown` (linear in the count from 1 at the count that fills the cores through
+        the counts measured beyond it; the largest count's beyond them)."""
+        per_rank = min(max(1, self.threads_per_rank), self.shared_cores)  # cores a rank alone used
         if not self.shared_cores or computing * per_rank <= self.shared_cores:
             return 1.0
-        counts = [self.shared_cores / per_rank, *sorted(self.sharing_slowdown)]
-        slowdown = float(np.interp(computing, counts, [1.0, *(self.sharing_slowdown[n] for n in counts[1:])]))
+        full = self.shared_cores / per_rank
+        counts = sorted(n for n in self.sharing_slowdown if n > full)  # a copied profile's may not be
+        slowdown = float(
+            np.interp(computing, [full, *counts], [1.0, *(self.sharing_slowdown[n] for n in counts)])
+        )
         return self.shared_cores / (computing * per_rank) / slowdown
+
+    def unpriced(self, world: int) -> list[str]:
+        """What this profile leaves out of a step of `world` ranks for want of a measurement (a
+        profile calibrated before 2026-12-05, a shipped GPU profile), to be said where it predicts."""
+        missing = [] if self.fsdp_unit_overhead_s else ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
+        per_rank = min(max(1, self.threads_per_rank), self.shared_cores)
+        if self.shared_cores and world * per_rank > self.shared_cores and not self.sharing_slowdown:
+            missing.append("what ranks sharing the cores lose beyond their share (sharing_slowdown)")
+        return missing
 
     def attention_rate(self, dtype: str) -> float:
         """FLOP/s of attention in `dtype`: its own measured rate, else the matmul rate."""
