@@ -27,7 +27,7 @@ from meshforge.simulate.estimate import Extrapolated, _grow_collectives, submit_
 from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
 from meshforge.simulate.op_costs import CostRecorder
 from meshforge.simulate.schedule import recipe_schedule_order
-from meshforge.simulate.step_time import Action, predict_step, simulate_timed
+from meshforge.simulate.step_time import Action, phase_time, predict_step, simulate_timed
 from meshforge.simulate.trace import _allocate_moments, _step_once_per_shape, trace_rank
 
 ONE = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "train.global_batch_size=4"]
@@ -411,11 +411,33 @@ def test_a_profile_names_what_it_does_not_price():
     assert old.unpriced(8) == [
         "FSDP's hooks per unit (fsdp_unit_overhead_s)",
         "what ranks sharing the cores lose beyond their share (sharing_slowdown)",
+        "the share of the probes' rates a model's step reaches (model_rate_share)",
     ]
-    assert len(old.unpriced(2)) == 1  # 2 ranks on 2 cores: nothing to share
-    new = dataclasses.replace(old, fsdp_unit_overhead_s=1e-3, sharing_slowdown={4: 1.1, 8: 1.15})
+    assert len(old.unpriced(2)) == 2  # 2 ranks on 2 cores: nothing to share
+    new = dataclasses.replace(
+        old, fsdp_unit_overhead_s=1e-3, sharing_slowdown={4: 1.1, 8: 1.15}, model_rate_share=0.8
+    )
     assert new.unpriced(8) == []
     assert load_profile("h100").unpriced(8) == ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
+
+
+def test_a_models_step_runs_at_its_calibrated_share_of_the_probes_rates():
+    """The arithmetic (matmuls, attention, memory-bound ops) is priced at the share of the probes'
+    rates a model's step reached in calibration; the host's work per op is not a rate."""
+    cost = {
+        "flops": {"float32": 2e9},
+        "attention_flops": {"float32": 1e9},
+        "memory_bytes": 1e9,
+        "ops": 1000,
+        "collectives": [],
+    }
+    cpu = dataclasses.replace(CPU, op_overhead_s=1e-5, attention_flops={"float32": 5e10})
+    full = phase_time(cost, cpu, overlap=False)
+    arithmetic = 2e9 / 1e9 + 1e9 / 5e10 + 1e9 / 1e9  # CPU: 1 GFLOP/s, 1 GB/s
+    assert full.compute_s == pytest.approx(arithmetic + 1000 * 1e-5)
+    at_share = phase_time(cost, dataclasses.replace(cpu, model_rate_share=0.8), overlap=False)
+    assert at_share.compute_s == pytest.approx(arithmetic / 0.8 + 1000 * 1e-5)
+    assert at_share.matmul_s == pytest.approx(full.matmul_s / 0.8)
 
 
 def test_a_prediction_prices_flops_bytes_ops_and_links():

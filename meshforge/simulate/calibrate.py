@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
 from meshforge.core.errors import RunError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
@@ -46,7 +45,8 @@ from meshforge.simulate.host_probes import (
     tiny_step,
 )
 from meshforge.simulate.link_fit import fit_kind_links, fit_link
-from meshforge.simulate.rate_probes import CPU_PROBE, GPU_PROBE, compute_rates
+from meshforge.simulate.profile_table import profile_table
+from meshforge.simulate.rate_probes import compute_rates, model_rate_share
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -100,6 +100,7 @@ def calibrate(
         op_overhead_s=rates["op_overhead_s"],
         dtensor_op_overhead_s=rates["dtensor_op_overhead_s"],
         fsdp_unit_overhead_s=rates["fsdp_unit_overhead_s"],
+        model_rate_share=rates["model_rate_share"],
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
         sharing_slowdown={int(n): s for n, s in slowdowns.items()},
@@ -147,7 +148,7 @@ def _keep(profile: Profile, out: Path | None, console: Console, start: float, er
     """Write the profile to `out` (if given) and print its summary."""
     if out is not None:
         save_profile(profile, out)
-    console.print(_summary(profile, errors, len(SIZES) * len(COLLECTIVES)))
+    console.print(profile_table(profile, errors, len(SIZES) * len(COLLECTIVES)))
     where = f"; written to {out}" if out is not None else ""
     console.print(f"calibrated in {time.perf_counter() - start:.0f} s{where}", highlight=False)
 
@@ -239,7 +240,11 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
         result["device_name"] = torch.cuda.get_device_name(gpu_device)
         result["device_count"] = torch.cuda.device_count()
         result["device_memory_gib"] = torch.cuda.get_device_properties(gpu_device).total_memory / 2**30
-    else:  # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's
+    else:  # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's; and (a GPU's
+        # host runs ahead of it) the share of the rates a model's step reaches
+        result["model_rate_share"] = max(
+            model_rate_share(result, result["op_overhead_s"]) for _ in range(PROBE_ROUNDS)
+        )
         result["peak_flops"] = {
             name: measure_cpu_matmul_flops(dtype=DTYPES[name]) for name in result["matmul_flops"]
         }
@@ -290,65 +295,6 @@ def _exchange(out: torch.Tensor, into: torch.Tensor, peer: int) -> None:
     ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-
-
-def _summary(profile: Profile, errors: dict[int, float], points: int) -> Table:
-    table = Table(title=f"hardware profile {profile.name}", title_justify="left")
-    for column in ("measured", "rate", "how"):
-        table.add_column(column)
-    gpu = profile.shared_cores == 0
-    alone = "one GPU" if gpu else f"one rank alone, {profile.threads_per_rank} thread(s)"
-    probe = GPU_PROBE if gpu else CPU_PROBE
-    shapes, nbytes = probe.matmul_shapes, probe.memory_bytes
-    for dtype, rate in profile.matmul_flops.items():
-        table.add_row(
-            f"matmul {dtype}", f"{rate / 1e9:.1f} GFLOP/s", f"median of {len(shapes)} shapes, {alone}"
-        )
-    for dtype, rate in profile.attention_flops.items():
-        table.add_row(
-            f"attention {dtype}",
-            f"{rate / 1e9:.1f} GFLOP/s",
-            f"causal GQA SDPA forward and backward, {alone}",
-        )
-    table.add_row(
-        "memory-bound",
-        f"{profile.memory_Bps / 1e9:.2f} GB/s",
-        f"c = a + b on {nbytes >> 20} MiB tensors, {alone}",
-    )
-    table.add_row(
-        "host work per op", f"{profile.op_overhead_s * 1e6:.1f} us", f"a tiny Llama's step, {alone}"
-    )
-    table.add_row(
-        "per DTensor op",
-        f"{profile.dtensor_op_overhead_s * 1e6:.1f} us",
-        "a TP block's DTensor ops (fake 2-rank mesh), beyond their local ops",
-    )
-    table.add_row(
-        "per FSDP unit",
-        f"{profile.fsdp_unit_overhead_s * 1e3:.2f} ms",
-        "its hooks per microbatch, forward and backward (a tiny Llama fully_shard-ed on a fake "
-        "2-rank mesh), beyond their ops",
-    )
-    if profile.sharing_slowdown:
-        table.add_row(
-            "ranks sharing cores",
-            ", ".join(f"{n}: x{s:.2f}" for n, s in sorted(profile.sharing_slowdown.items())),
-            f"a tiny Llama's step on n ranks at once, over its share of {profile.shared_cores} cores",
-        )
-    for g, link in sorted(profile.links.items()):
-        table.add_row(
-            f"groups of {g}",
-            f"{link.latency_s * 1e6:.0f} us + busbw {link.bandwidth_Bps / 1e9:.2f} GB/s",
-            f"{profile.calibrated_world // g} group(s) at once behind compute, fit to {points} timings "
-            f"(RMS error {errors[g]:.0%})",
-        )
-    if send := profile.kind_links.get("send", {}).get(2):
-        table.add_row(
-            "pipeline send",
-            f"{send.latency_s * 1e6:.0f} us + {send.bandwidth_Bps / 1e9:.2f} GB/s",
-            f"{profile.calibrated_world // 2} pair(s) at once behind compute, each rank sending, receiving",
-        )
-    return table
 
 
 def local_profile(

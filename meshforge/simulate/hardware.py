@@ -75,6 +75,10 @@ class Profile:
     # CPU: ranks computing at once, more than the cores -> how much longer each takes than its equal
     # share of the cores (context switches, caches refilled after each); 1 where not measured
     sharing_slowdown: dict[int, float] = field(default_factory=dict)
+    # the share of the rates above that a model's step reaches (its operands cold, ops no probe
+    # times): a reference Llama's step against them (rate_probes.model_rate_share); 1 where not
+    # measured (a GPU's)
+    model_rate_share: float = 1.0
 
     def core_share(self, computing: int) -> float:
         """Each rank's rate, as a share of its rate alone, while `computing` ranks compute on the
@@ -98,6 +102,8 @@ class Profile:
         per_rank = min(max(1, self.threads_per_rank), self.shared_cores)
         if self.shared_cores and world * per_rank > self.shared_cores and not self.sharing_slowdown:
             missing.append("what ranks sharing the cores lose beyond their share (sharing_slowdown)")
+        if self.shared_cores and self.model_rate_share == 1.0:  # a CPU profile from before 2026-12-06
+            missing.append("the share of the probes' rates a model's step reaches (model_rate_share)")
         return missing
 
     def attention_rate(self, dtype: str) -> float:
@@ -196,6 +202,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "op_overhead_s": profile.op_overhead_s,
         "dtensor_op_overhead_s": profile.dtensor_op_overhead_s,
         "fsdp_unit_overhead_s": profile.fsdp_unit_overhead_s,
+        "model_rate_share": profile.model_rate_share,
         "device_memory_gib": profile.device_memory_gib,
         "memory_Bps": profile.memory_Bps,
         "matmul_flops": dict(profile.matmul_flops),
@@ -257,6 +264,7 @@ SCALARS = {
     "op_overhead_s": (False, _non_negative),
     "dtensor_op_overhead_s": (False, _non_negative),
     "fsdp_unit_overhead_s": (False, _non_negative),
+    "model_rate_share": (False, _positive),
     "device_memory_gib": (False, _non_negative),
 }
 TABLES = (
@@ -361,6 +369,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         op_overhead_s=float(data.get("op_overhead_s", 0.0)),
         dtensor_op_overhead_s=float(data.get("dtensor_op_overhead_s", 0.0)),
         fsdp_unit_overhead_s=float(data.get("fsdp_unit_overhead_s", 0.0)),
+        model_rate_share=float(data.get("model_rate_share", 1.0)),
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
         attention_flops={dtype: float(rate) for dtype, rate in attention.items()},
         sharing_slowdown={int(n): float(s) for n, s in slowdowns.items()},

@@ -67,7 +67,7 @@ def tiny_step(device: str = "cpu") -> Callable[[], None]:
     return training_step(tiny_stack().to(device), torch.randn(2, 8, device=device))
 
 
-def _host_seconds_per_step(step: Callable[[], None], device: str = "cpu") -> tuple[float, PhaseCost]:
+def seconds_and_cost(step: Callable[[], None], device: str = "cpu") -> tuple[float, PhaseCost]:
     """The median seconds of `step`, and what CostRecorder counts in it."""
     recorder = CostRecorder(lambda: "step")
     with recorder:
@@ -80,7 +80,7 @@ TINY_LLAMA = LlamaArgs(
 )
 
 
-def _llama_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
+def llama_step(model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
     """A training step of `model` on `tokens`: gradients cleared, forward, loss, backward."""
 
     def step() -> None:
@@ -100,7 +100,7 @@ def tiny_llama_step(device: str = "cpu") -> Callable[[], None]:
     own blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU): the host's work per op as a
     transformer's step pays it. Its module calls, views and autograd nodes come with each op: ~7 us
     per counted op here, where the plain linear/norm/activation stack (`tiny_step`) reads ~3.7."""
-    return _llama_step(*_tiny_llama(device))
+    return llama_step(*_tiny_llama(device))
 
 
 def op_overhead(device: str = "cpu", probe: Callable[[str], Callable[[], None]] = tiny_llama_step) -> float:
@@ -108,7 +108,7 @@ def op_overhead(device: str = "cpu", probe: Callable[[str], Callable[[], None]] 
     count: `probe`'s step (a tiny Llama's), over the ops op_costs.CostRecorder counts in it (the
     same count the step-time model multiplies by this). On a GPU the tiny kernels run faster than
     the host launches them: what is timed is the host."""
-    seconds, cost = _host_seconds_per_step(probe(device), device)
+    seconds, cost = seconds_and_cost(probe(device), device)
     return seconds / cost.ops
 
 
@@ -130,7 +130,7 @@ def dtensor_op_overhead(per_op: float) -> float:
             plan[f"blocks.{i}.down"] = RowwiseParallel(output_layouts=Shard(0))
         model = parallelize_module(_TPStack(), mesh, plan)
         # this rank's sequence shard
-        seconds, cost = _host_seconds_per_step(training_step(model, torch.randn(2, _TPStack.DIM)))
+        seconds, cost = seconds_and_cost(training_step(model, torch.randn(2, _TPStack.DIM)))
     finally:
         dist.destroy_process_group()
     return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
@@ -144,13 +144,13 @@ def fsdp_unit_overhead() -> float:
     collectives do nothing), against the same step unsharded timed just before: the difference,
     less the extra ops at the unsharded step's cost per op, over the units. ~1.2 ms a unit on this
     project's 2-core VM, ~150 ops' worth. Host work whatever the device: probed on CPU tensors."""
-    seconds, cost = _host_seconds_per_step(tiny_llama_step())
+    seconds, cost = seconds_and_cost(tiny_llama_step())
     per_op = seconds / cost.ops
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         model, tokens = _tiny_llama()
         apply_fsdp(model, init_device_mesh("cpu", (2,)), FSDPConfig())  # as a run wraps it
-        sharded, sharded_cost = _host_seconds_per_step(_llama_step(model, tokens))
+        sharded, sharded_cost = seconds_and_cost(llama_step(model, tokens))
     finally:
         dist.destroy_process_group()
     return max(0.0, sharded - sharded_cost.ops * per_op) / fsdp_units(model)

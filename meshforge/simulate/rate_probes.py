@@ -1,6 +1,6 @@
 """A device's compute rates as `meshforge tune --calibrate` measures them: matmul FLOP/s per dtype at
 a transformer's shapes, causal grouped-query attention's, and memory-bound bytes/s, each at the sizes
-of the device measured (one CPU rank's, or one GPU's)."""
+of the device measured (one CPU rank's, or one GPU's); and the share of them a model's step reaches."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from meshforge.models.llama import LlamaArgs, Transformer
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.simulate.host_probes import median_seconds
-from meshforge.simulate.op_costs import sdpa_step_flops
+from meshforge.simulate.hardware import Profile
+from meshforge.simulate.host_probes import llama_step, median_seconds, seconds_and_cost
+from meshforge.simulate.op_costs import PhaseCost, sdpa_step_flops
+from meshforge.simulate.step_time import phase_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +108,32 @@ def memory_rate(nbytes: int, device: str, calls: int) -> float:
     """Bytes/s read and written by c = a + b on float32 tensors of `nbytes` each."""
     a, b, c = (torch.ones(nbytes // 4, device=device) for _ in range(3))
     return 3 * nbytes / median_seconds(lambda: torch.add(a, b, out=c), device, calls)
+
+
+# a Llama whose step is mostly arithmetic (~30 ms here, a tenth of it host work), of neither
+# benchmarked recipe's shape: dim 128, 4 layers, vocabulary 2,048, 4 x 128 tokens
+REFERENCE_LLAMA = LlamaArgs(
+    dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, multiple_of=64, max_seq_len=128
+)
+REFERENCE_TOKENS = (4, 128)
+
+
+def model_rate_share(rates: dict, op_overhead_s: float) -> float:
+    """The share of the probes' rates (`rates`: compute_rates') that a model's step reaches on a CPU,
+    read on the reference Llama's step (share_of_rates). The probes time one kernel on warm
+    operands; in a step its operands come cold from the op before, and ops no probe times run (the
+    embedding's and the loss's backward). Read 0.76-0.84 here; on other Llamas: 0.70 (debug_cpu's
+    at 1,024 tokens), 0.72-0.78 (llm_1b shrunk), 0.87-0.91 (dim 128, 2 layers, 256 tokens)."""
+    torch.manual_seed(0)
+    model = Transformer(REFERENCE_LLAMA)
+    tokens = torch.randint(0, REFERENCE_LLAMA.vocab_size, REFERENCE_TOKENS)
+    return share_of_rates(*seconds_and_cost(llama_step(model, tokens)), rates, op_overhead_s)
+
+
+def share_of_rates(seconds: float, cost: PhaseCost, rates: dict, op_overhead_s: float) -> float:
+    """A step's arithmetic (`cost`) priced at `rates`, over its timed `seconds` less its ops at
+    `op_overhead_s` each (at most 4x the rates, should the host's share be misread)."""
+    rated = {k: rates[k] for k in ("matmul_flops", "attention_flops", "memory_Bps")}
+    at_rates = Profile("probes", "compute_rates", ranks_per_node=1, **rated)  # no host cost: arithmetic only
+    arithmetic = phase_time(cost.as_dict(), at_rates, overlap=False).compute_s
+    return arithmetic / max(seconds - cost.ops * op_overhead_s, arithmetic / 4)

@@ -3,8 +3,9 @@ profile (hardware.py), before anything runs. `meshforge tune` ranks layouts by i
 
 Per phase of a rank's step (an action of its schedule, the gradient reduction, the collectives the
 step waits on before its update (`sync`), the optimizer):
-    compute  = sum over dtypes of matmul FLOPs / matmul rate + attention FLOPs / attention rate
-               + bytes the other ops move / memory bandwidth + ops x host cost per op
+    compute  = (sum over dtypes of matmul FLOPs / matmul rate + attention FLOPs / attention rate
+                + bytes the other ops move / memory bandwidth) / the share of those rates a
+               model's step reaches (calibrated) + ops x host cost per op
                + DTensor ops x DTensor's host cost per op
                + FSDP units run x half a unit's host cost per microbatch (its hooks)
     comm     = sum over collectives of latency + bytes x factor / bandwidth (of its group's link)
@@ -52,15 +53,17 @@ class PhaseTime:
 def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
     """One phase's compute and communication (module doc); `overlap`: a GPU's (FSDP's collectives
     beside compute, the host ahead of the device)."""
-    matmul = sum(f / profile.matmul_rate(d) for d, f in cost["flops"].items())
-    attention = sum(f / profile.attention_rate(d) for d, f in cost.get("attention_flops", {}).items())
+    share = profile.model_rate_share  # of the probes' rates, in a model's step
+    matmul = sum(f / profile.matmul_rate(d) for d, f in cost["flops"].items()) / share
+    attention = sum(f / profile.attention_rate(d) for d, f in cost.get("attention_flops", {}).items()) / share
     host = (
         cost["ops"] * profile.op_overhead_s
         + cost.get("dtensor_ops", 0) * profile.dtensor_op_overhead_s
         # a unit's forward or backward: half its hooks' cost (measured ~1/3 and ~2/3; a step has both)
         + cost.get("fsdp_units", 0) * profile.fsdp_unit_overhead_s / 2
     )
-    compute = matmul + attention + cost["memory_bytes"] / profile.memory_Bps + (0.0 if overlap else host)
+    memory = cost["memory_bytes"] / profile.memory_Bps / share
+    compute = matmul + attention + memory + (0.0 if overlap else host)
     hidden = blocking = 0.0
     for kind, nbytes, ranks, overlapped, count in cost["collectives"]:
         crosses = len({r // profile.ranks_per_node for r in ranks}) > 1
