@@ -34,7 +34,7 @@ from meshforge.core.units import GiB
 from meshforge.recipe import load_recipe
 from meshforge.run.observe.memory import PEAK
 from meshforge.simulate.estimate import estimate_rows, predict_recipe_step
-from meshforge.simulate.hardware import SHIPPED, load_profile
+from meshforge.simulate.profile_toml import SHIPPED, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_GPU = ["train.device=cuda", "mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]

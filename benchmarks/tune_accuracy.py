@@ -35,7 +35,7 @@ from meshforge.experiments.refine import measured_runs, refine
 from meshforge.experiments.tune import tune
 from meshforge.recipe import load_recipe
 from meshforge.simulate.estimate import predict_recipe_step
-from meshforge.simulate.hardware import load_profile
+from meshforge.simulate.profile_toml import load_profile
 
 # llm_1b shrunk for 8 CPU processes, as its header says
 LLM_1B_SHRUNK = [

@@ -12,14 +12,15 @@ import pytest
 from rich.console import Console
 
 from meshforge.core.errors import RecipeError, RunError, UsageError
-from meshforge.run.observe.flops import GPU_PEAK_TFLOPS
+from meshforge.run.observe.flops import GPU_PEAK_TFLOPS, usable_cores
 from meshforge.simulate.calibrate import _launch, calibrate, cost_under_load, local_profile
 from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.fake_rank import trace_pool
-from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
+from meshforge.simulate.hardware import Link, Profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, fsdp_unit_overhead, op_overhead, tiny_step
 from meshforge.simulate.link_fit import fit_link
 from meshforge.simulate.op_costs import PhaseCost
+from meshforge.simulate.profile_toml import SHIPPED, load_profile, save_profile
 from meshforge.simulate.rate_probes import compute_rates, model_rate_share, share_of_rates
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -55,6 +56,7 @@ def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
     text = text.replace("memory_Bps =", "bandwith_Bps = 1\nmemory_Bps =")
     text = text.replace("[links.4]\nlatency_s", "[links.4]\nlatency = 1\nlatency_s")
     text = text.replace("float32 = 5.0e13", "float32 = -1\nfloat64 = 1e12")
+    text = text.replace("model_rate_share = 1.0", "model_rate_share = 5.0")  # over calibrate's bound
     text += "\n[sharing_slowdown]\n4 = 1.1\n8 = 0.9\n1 = 2.0\n"
     path = tmp_path / "mine.toml"
     path.write_text(text)
@@ -68,7 +70,9 @@ def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
         "matmul_flops.float64",
         "sharing_slowdown.8",  # faster than an equal share of the cores
         "sharing_slowdown.1",  # one rank shares nothing
+        "model_rate_share",
     }
+    assert "<= 4" in fields["model_rate_share"]
     assert "did you mean latency_s" in fields["links.4.latency"]
     assert "unknown key" in fields["bandwith_Bps"] and "> 0" in fields["matmul_flops.float32"]
     assert str(path) in caught.value.source
@@ -81,6 +85,8 @@ def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
     (this machine: 1.10 for 4 ranks on its 2 cores; a machine with 3 cores or more reads 1)."""
     assert counts_to_measure(8, 1, 2) == [4, 8] and counts_to_measure(6, 1, 2) == [3, 6]
     assert counts_to_measure(8, 2, 2) == [2, 4, 8] and counts_to_measure(2, 1, 2) == []
+    if usable_cores() < 2:  # one core: 3 ranks' share is a third, alone would read 2x (not this)
+        pytest.skip("needs 2 cores or more, as this project's machines have")
     with tempfile.TemporaryDirectory() as tmp:
         sharing = partial(measure_sharing, cores=2, timeout_s=120)
         measured = _launch(sharing, 3, 1, Path(tmp) / "sharing", "cpu")
@@ -245,11 +251,11 @@ def test_each_rate_is_the_fastest_of_its_rounds(monkeypatch):
 def test_a_models_step_reaches_a_share_of_the_probes_rates():
     """The reference Llama's step, priced at the probes' rates and its ops' host cost as measured
     here, against its timed seconds: a share below 1 (its operands are cold, its embedding's and
-    loss's backward untimed by any probe; 0.76-0.84 here), yet well above a few tenths. The share
-    itself: a step of 1 GFLOP at 100 GFLOP/s, 1 GB at 10 GB/s and 1000 ops at 10 us, that took
-    0.16 s, ran its 0.11 s of arithmetic in 0.15 s."""
-    rates, per_op = compute_rates("cpu", rounds=1), op_overhead()
-    assert 0.4 < model_rate_share(rates, per_op) < 1.1
+    loss's backward untimed by any probe; 0.79-0.84 in calibrations here), yet well above a few
+    tenths. The share itself: a step of 1 GFLOP at 100 GFLOP/s, 1 GB at 10 GB/s and 1000 ops at
+    10 us, that took 0.16 s, ran its 0.11 s of arithmetic in 0.15 s."""
+    rates, per_op = compute_rates("cpu", rounds=3), min(op_overhead() for _ in range(3))  # as calibrate
+    assert 0.3 < max(model_rate_share(rates, per_op) for _ in range(3)) < 1.2
     cost = PhaseCost(flops={"float32": 1e9}, memory_bytes=1e9, ops=1000)
     at = {"matmul_flops": {"float32": 1e11}, "attention_flops": {}, "memory_Bps": 1e10}
     assert share_of_rates(0.16, cost, at, 1e-5) == pytest.approx(0.11 / 0.15)

@@ -24,8 +24,9 @@ from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import cross_entropy_sum
 from meshforge.simulate.core_sharing import counts_to_measure
 from meshforge.simulate.estimate import Extrapolated, _grow_collectives, submit_trace, trace_pool
-from meshforge.simulate.hardware import SHIPPED, Link, Profile, load_profile, save_profile
+from meshforge.simulate.hardware import Link, Profile
 from meshforge.simulate.op_costs import CostRecorder
+from meshforge.simulate.profile_toml import SHIPPED, load_profile, save_profile
 from meshforge.simulate.schedule import recipe_schedule_order
 from meshforge.simulate.step_time import Action, phase_time, predict_step, simulate_timed
 from meshforge.simulate.trace import _allocate_moments, _step_once_per_shape, trace_rank
@@ -419,6 +420,9 @@ def test_a_profile_names_what_it_does_not_price():
     )
     assert new.unpriced(8) == []
     assert load_profile("h100").unpriced(8) == ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
+    # refined by measured runs: their fitted rates took the model's share in (no share to measure)
+    refined = dataclasses.replace(new, model_rate_share=1.0, source="vm\nrefined by 25 measured runs")
+    assert refined.unpriced(8) == []
 
 
 def test_a_models_step_runs_at_its_calibrated_share_of_the_probes_rates():
@@ -658,7 +662,9 @@ def test_a_tune_plan_says_when_layouts_change_the_global_batch(tmp_path):
     assert "highest tokens/s first" in proc.stdout
     assert "train on 64 to 128 tokens per step" in " ".join(proc.stdout.split()), proc.stdout
     # the shipped profile never measured its host's FSDP hooks: said before the table
-    assert "profile h100 does not price FSDP's hooks per unit" in " ".join(proc.stdout.split())
+    said = " ".join(proc.stdout.split())
+    assert "profile h100 does not price FSDP's hooks per unit" in said
+    assert "--calibrate --world 1 --profile-out gpu.toml` on a GPU node" in said  # what a GPU can run
     # 4 of the 5 layouts of 2 ranks ranked; pp2 refused (its 4 microbatches need 4 samples), said so
     assert re.search(r"^predicted 4 of 5 points in \d+ s \(1 refused\)$", proc.stdout, re.MULTILINE)
 
@@ -778,6 +784,8 @@ def test_the_tunes_calibration_measured_plausible_numbers(tuned, tmp_path):
     assert profile.memory_Bps > 0 and 0 < profile.op_overhead_s < profile.fsdp_unit_overhead_s < 0.1
     # 2 ranks on this machine's cores: sharing measured only where they outnumber the cores
     assert set(profile.sharing_slowdown) == set(counts_to_measure(2, 1, profile.shared_cores))
+    assert 0.3 < profile.model_rate_share < 1.2 and profile.unpriced(2) == []
+    assert "model rate share" in stdout  # its row in the printed table
     assert list(profile.links) == [2] and profile.calibrated_world == 2 and profile.shared_cores >= 1
     link = profile.link(2, False)
     assert 0 <= link.latency_s < 0.1 and link.bandwidth_Bps > 0

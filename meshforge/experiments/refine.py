@@ -28,7 +28,8 @@ from meshforge.core.topology import ParallelDims
 from meshforge.experiments.compare import find_runs
 from meshforge.recipe import load_recipe
 from meshforge.simulate.estimate import role_works, submit_roles, trace_pool
-from meshforge.simulate.hardware import Link, Profile, save_profile
+from meshforge.simulate.hardware import Link, Profile
+from meshforge.simulate.profile_toml import save_profile
 from meshforge.simulate.step_time import predict_step
 
 FACTORS = ("matmul", "memory", "op_host", "dtensor_host", "latency", "bandwidth")

@@ -98,7 +98,12 @@ def tune(
         f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
     )
     if missing := profile.unpriced(world):  # a step predicted short by what the profile never measured
-        fix = "meshforge tune --calibrate measures them on the machine that runs the tune's layouts"
+        fix = (
+            "meshforge tune --calibrate measures them on the machine that runs the tune's layouts"
+            if profile.shared_cores
+            else "`--calibrate --world 1 --profile-out gpu.toml` on a GPU node measures the host's; "
+            "copy its value into a copy of this profile"
+        )
         console.print(f"profile {profile.name} does not price {' or '.join(missing)}: {fix}", highlight=False)
     limit = sw.device_memory_gib or profile.device_memory_gib or None
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)

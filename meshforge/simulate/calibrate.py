@@ -36,7 +36,7 @@ from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops, usable_cores
 from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
-from meshforge.simulate.hardware import Profile, load_profile, save_profile
+from meshforge.simulate.hardware import Profile
 from meshforge.simulate.host_probes import (
     WARMUP,
     dtensor_op_overhead,
@@ -46,6 +46,7 @@ from meshforge.simulate.host_probes import (
 )
 from meshforge.simulate.link_fit import fit_kind_links, fit_link
 from meshforge.simulate.profile_table import profile_table
+from meshforge.simulate.profile_toml import load_profile, save_profile
 from meshforge.simulate.rate_probes import compute_rates, model_rate_share
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
@@ -240,8 +241,9 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
         result["device_name"] = torch.cuda.get_device_name(gpu_device)
         result["device_count"] = torch.cuda.device_count()
         result["device_memory_gib"] = torch.cuda.get_device_properties(gpu_device).total_memory / 2**30
-    else:  # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's; and (a GPU's
-        # host runs ahead of it) the share of the rates a model's step reaches
+    else:  # the MFU peak as a run measures it (flops.py), so tune's MFU is the run's; and the share
+        # of the rates a model's step reaches (on a GPU the host runs ahead of the device, so a
+        # step's seconds are not its arithmetic plus its host work: the shipped rates are achievable)
         result["model_rate_share"] = max(
             model_rate_share(result, result["op_overhead_s"]) for _ in range(PROBE_ROUNDS)
         )

@@ -1,7 +1,7 @@
 """The host's work per op, timed on models too small for their arithmetic to count: what
 `meshforge tune --calibrate` prices each op (each op on DTensors, each FSDP unit's hooks) of a
-traced step at; and
-the median timing both it and calibrate.py's rates use."""
+traced step at; the median timing both it and calibrate.py's rates use; and a Llama's step timed
+with what CostRecorder counts in it (rate_probes' reference Llama is stepped by it too)."""
 
 from __future__ import annotations
 
