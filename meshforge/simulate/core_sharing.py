@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshforge.simulate.hardware import cores_one_rank_uses
 from meshforge.simulate.host_probes import WARMUP, tiny_llama_step
 
 STEPS = 100  # steps per timing: ~1 s with 8 ranks on 2 cores (20 read no slowdown: too short)
@@ -62,7 +63,7 @@ def measure_sharing(
     dist.destroy_process_group()
     if rank == 0:
         alone = seconds.pop(1)
-        used = min(threads, cores)  # cores one rank alone used
+        used = cores_one_rank_uses(threads, cores)
         slowdown = {n: max(1.0, s / (alone * n * used / cores)) for n, s in seconds.items()}
         Path(folder, "result.json").write_text(json.dumps(slowdown))
 

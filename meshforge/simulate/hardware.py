@@ -20,6 +20,12 @@ from meshforge.core.errors import Problem, RecipeError
 RING = {"all_gather", "reduce_scatter", "all_to_all"}  # (n - 1) / n
 WHOLE = {"broadcast", "send"}  # 1
 KINDS = RING | WHOLE | {"all_reduce"}  # all_reduce: 2 (n - 1) / n
+MAX_MODEL_RATE_SHARE = 4.0  # a step at 4x the probes' rates: the host's share misread, not a model
+
+
+def cores_one_rank_uses(threads: int, cores: int) -> int:
+    """CPU: the cores one rank alone uses: its threads, at most all the cores."""
+    return min(max(1, threads), cores)
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class Profile:
     @property
     def cores_per_rank(self) -> int:
         """CPU: the cores one rank alone used (its threads, at most all the cores)."""
-        return min(max(1, self.threads_per_rank), self.shared_cores)
+        return cores_one_rank_uses(self.threads_per_rank, self.shared_cores)
 
     def unpriced(self, world: int) -> list[str]:
         """What this profile leaves out of a step of `world` ranks for want of a measurement (a CPU

@@ -14,7 +14,7 @@ import tomllib
 
 from meshforge.core.errors import Problem, RecipeError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.simulate.hardware import KINDS, Link, Profile
+from meshforge.simulate.hardware import KINDS, MAX_MODEL_RATE_SHARE, Link, Profile
 
 PROFILES = Path(__file__).parent / "profiles"
 SHIPPED: dict[str, Path] = {p.stem: p for p in sorted(PROFILES.glob("*.toml"))}
@@ -88,7 +88,8 @@ def _non_negative(v: Any) -> str | None:
 
 
 def _share(v: Any) -> str | None:
-    return None if _is_number(v) and 0 < v <= 4 else "a number > 0 and <= 4 (calibrate's bound)"
+    bound = MAX_MODEL_RATE_SHARE
+    return None if _is_number(v) and 0 < v <= bound else f"a number > 0 and <= {bound:g} (calibrate's bound)"
 
 
 def _count(least: int):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from meshforge.models.llama import LlamaArgs, Transformer
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.simulate.hardware import Profile
+from meshforge.simulate.hardware import MAX_MODEL_RATE_SHARE, Profile
 from meshforge.simulate.host_probes import llama_step, median_seconds, seconds_and_cost
 from meshforge.simulate.op_costs import PhaseCost, sdpa_step_flops
 from meshforge.simulate.step_time import phase_time
@@ -134,8 +134,8 @@ def model_rate_share(rates: dict, op_overhead_s: float) -> float:
 
 def share_of_rates(seconds: float, cost: PhaseCost, rates: dict, op_overhead_s: float) -> float:
     """A step's arithmetic (`cost`) priced at `rates`, over its timed `seconds` less its ops at
-    `op_overhead_s` each (at most 4x the rates, should the host's share be misread)."""
+    `op_overhead_s` each (at most MAX_MODEL_RATE_SHARE, should the host's share be misread)."""
     rated = {k: rates[k] for k in ("matmul_flops", "attention_flops", "memory_Bps")}
     at_rates = Profile("probes", "compute_rates", ranks_per_node=1, **rated)  # no host cost: arithmetic only
     arithmetic = phase_time(cost.as_dict(), at_rates, overlap=False).compute_s
-    return arithmetic / max(seconds - cost.ops * op_overhead_s, arithmetic / 4)
+    return arithmetic / max(seconds - cost.ops * op_overhead_s, arithmetic / MAX_MODEL_RATE_SHARE)
