@@ -16,7 +16,7 @@ from meshforge.run.observe.flops import GPU_PEAK_TFLOPS, usable_cores
 from meshforge.simulate.calibrate import _launch, calibrate, cost_under_load, local_profile
 from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.fake_rank import trace_pool
-from meshforge.simulate.hardware import Link, Profile
+from meshforge.simulate.hardware import MAX_ARRIVAL_SKEW, Link, Profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, fsdp_unit_overhead, op_overhead, tiny_step
 from meshforge.simulate.link_fit import fit_link
 from meshforge.simulate.op_costs import PhaseCost
@@ -82,7 +82,9 @@ def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
     """Calibrate times ranks sharing the cores for each divisor of the world whose threads outnumber
     the cores. 3 ranks told there are 2 cores: each step against 1.5x alone, at least 1 (faster than
     an equal share is noise) and well under the 1.5 that leaving out the equal share would read
-    (this machine: 1.10 for 4 ranks on its 2 cores; a machine with 3 cores or more reads 1)."""
+    (this machine: 1.10 for 4 ranks on its 2 cores; a machine with 3 cores or more reads 1). The
+    same launch measures the world's only group's wait for its last rank: a share of the computing
+    time in [0, MAX_ARRIVAL_SKEW] (0.3-0.4 for groups of 8 here)."""
     assert counts_to_measure(8, 1, 2) == [4, 8] and counts_to_measure(6, 1, 2) == [3, 6]
     assert counts_to_measure(8, 2, 2) == [2, 4, 8] and counts_to_measure(2, 1, 2) == []
     if usable_cores() < 2:  # one core: 3 ranks' share is a third, alone would read 2x (not this)
@@ -90,7 +92,9 @@ def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
     with tempfile.TemporaryDirectory() as tmp:
         sharing = partial(measure_sharing, cores=2, timeout_s=120)
         measured = _launch(sharing, 3, 1, Path(tmp) / "sharing", "cpu")
-    assert list(measured) == ["3"] and 1.0 <= measured["3"] < 1.45
+    slowdown, skew = measured["slowdown"], measured["arrival_skew"]
+    assert list(slowdown) == ["3"] and 1.0 <= slowdown["3"] < 1.45
+    assert list(skew) == ["3"] and 0.0 <= skew["3"] <= MAX_ARRIVAL_SKEW
 
 
 def test_a_missing_profile_names_the_shipped_ones():

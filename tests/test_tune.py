@@ -380,6 +380,24 @@ def test_ranks_that_share_cores_share_their_time():
     assert ends[0][0] == pytest.approx(1.2 * 4 * 3.25 + 0.5)
 
 
+def test_a_collective_waits_for_its_groups_last_rank_by_the_computing_since_the_last_one():
+    """arrival_skew: an action with collectives on a group waits, after its work, the group size's
+    share of the computing wall time since the rank's last collective (a forward without one
+    counts toward the backward's); between measured sizes linear, a lone rank waits nothing."""
+    shared = dataclasses.replace(CPU, shared_cores=2, arrival_skew={2: 0.1, 8: 0.4})
+    assert shared.skew(1) == 0.0 and shared.skew(4) == pytest.approx(0.2) and shared.skew(16) == 0.4
+    timeline = [
+        Action((0, "F", 0), 1.0, 0.0),  # no collective: its wall carries over
+        Action((0, "B", 0), 2.0, 0.5, group=8),  # waits 0.4 x (F's 4 s + B's 8 s) at a quarter speed
+        Action((-1, "tail", 0), 0.25, 0.0, group=2),  # waits 0.1 x its own 1 s
+    ]
+    ends, _ = simulate_timed({0: timeline}, 0.0, 8, shared)
+    assert ends[0][0] == pytest.approx(4 * 3.25 + 0.5 + 0.4 * 12 + 0.1 * 1)
+    assert simulate_timed({0: timeline}, 0.0, 8, dataclasses.replace(shared, arrival_skew={}))[0][0][
+        0
+    ] == pytest.approx(4 * 3.25 + 0.5)
+
+
 def test_a_ranks_share_of_the_cores_is_slowed_as_measured_between_counts():
     """Up to the cores' count a rank runs as fast as alone; beyond, an equal share of the cores
     divided by the slowdown measured for that many ranks, linear between the counts measured (and
@@ -406,17 +424,24 @@ def test_a_ranks_share_of_the_cores_is_slowed_as_measured_between_counts():
 
 
 def test_a_profile_names_what_it_does_not_price():
-    """A CPU profile calibrated before FSDP's hooks and core sharing were measured, and the shipped
-    GPU profiles (their hosts' FSDP hooks never measured), say what their predictions leave out."""
+    """A CPU profile calibrated before FSDP's hooks, core sharing and ranks' arrival were measured,
+    and the shipped GPU profiles (their hosts' FSDP hooks never measured), say what their
+    predictions leave out."""
     old = dataclasses.replace(CPU, shared_cores=2, calibrated_world=8)
     assert old.unpriced(8) == [
         "FSDP's hooks per unit (fsdp_unit_overhead_s)",
         "what ranks sharing the cores lose beyond their share (sharing_slowdown)",
+        "a collective's wait for its group's last rank (arrival_skew)",
         "the share of the probes' rates a model's step reaches (model_rate_share)",
     ]
-    assert len(old.unpriced(2)) == 2  # 2 ranks on 2 cores: nothing to share
+    assert len(old.unpriced(2)) == 3  # 2 ranks on 2 cores: no slowdown to share, a pair's wait still
+    assert len(old.unpriced(1)) == 2  # one rank: no collective
     new = dataclasses.replace(
-        old, fsdp_unit_overhead_s=1e-3, sharing_slowdown={4: 1.1, 8: 1.15}, model_rate_share=0.8
+        old,
+        fsdp_unit_overhead_s=1e-3,
+        sharing_slowdown={4: 1.1, 8: 1.15},
+        model_rate_share=0.8,
+        arrival_skew={2: 0.05, 4: 0.2, 8: 0.3},
     )
     assert new.unpriced(8) == []
     assert load_profile("h100").unpriced(8) == ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]

@@ -35,7 +35,7 @@ from meshforge.core.errors import RunError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops, usable_cores
-from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
+from meshforge.simulate.core_sharing import measure_sharing
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.host_probes import (
     WARMUP,
@@ -73,9 +73,9 @@ def calibrate(
             _launch(_measure_links, world, threads_per_rank, Path(tmp) / "links", "cpu") if world > 1 else []
         )
         cores = usable_cores()
-        sharing = partial(measure_sharing, cores=cores, timeout_s=TIMEOUT_S)  # beyond their share
-        counts = counts_to_measure(world, threads_per_rank, cores)
-        slowdowns = _launch(sharing, world, threads_per_rank, Path(tmp) / "sharing", "cpu") if counts else {}
+        # beyond their share of the cores, and a collective's wait for its group's last rank
+        sharing = partial(measure_sharing, cores=cores, timeout_s=TIMEOUT_S)
+        lost = _launch(sharing, world, threads_per_rank, Path(tmp) / "sharing", "cpu") if world > 1 else {}
     collectives = [timing for timing in timings if timing[1] != "send"]  # a send is not a collective's
     fits = {
         g: fit_link(g, [(kind, n, t) for size, kind, n, t in collectives if size == g])
@@ -104,7 +104,8 @@ def calibrate(
         model_rate_share=rates["model_rate_share"],
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
-        sharing_slowdown={int(n): s for n, s in slowdowns.items()},
+        sharing_slowdown={int(n): s for n, s in lost.get("slowdown", {}).items()},
+        arrival_skew={int(g): f for g, f in lost.get("arrival_skew", {}).items()},
     )
     _keep(profile, out, console, start, {g: err for g, (_, err) in fits.items()})
     return profile

@@ -1,10 +1,17 @@
-"""What sharing CPU cores costs beyond each rank's equal share of them, as `meshforge tune
---calibrate` measures it: the tiny Llama's step (host_probes) timed on one rank alone, then on n
-ranks at once for every n of the calibrated world whose threads outnumber the cores. On this
-project's 2 cores calibrations read 1.10-1.11 for 4 ranks and 1.15-1.16 for 8 (a step's time over
-its equal share of the cores): context switches, and caches refilled after each (spawned processes
-stepping longer read 1.02-1.16 and 1.21-1.31; a matmul whose operands stay in L2 lost 1-5% at 8
-ranks, one with a 4 MiB operand 30%)."""
+"""What ranks sharing CPU cores lose, as `meshforge tune --calibrate` measures it, in one launch of
+the calibrated world:
+
+- their slowdown beyond each rank's equal share of the cores: a Llama's step timed on one rank
+  alone, then on n ranks at once for every n of the world whose threads outnumber the cores
+  (context switches, and caches refilled after each). The step is the reference Llama's
+  (rate_probes) on 128 tokens: a bigger working set loses more, and the tiny Llama's (dim 16) read
+  1.00-1.16 for 8 ranks here where this one read 1.17-1.18 within minutes of a 1.11-1.14.
+- a collective's wait for its group's last rank (`arrival_skew`): ranks that computed for the same
+  work arrive at a collective apart, the more apart the longer they computed (the scheduler's
+  slices fall unevenly). Per group size, the extra seconds a small all-reduce takes behind the
+  reference step over behind a short one, per second of the bursts' difference: here ~0.03-0.08
+  for groups of 2, 0.17-0.30 of 4, 0.29-0.39 of 8.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +25,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshforge.simulate.hardware import cores_one_rank_uses
-from meshforge.simulate.host_probes import WARMUP, tiny_llama_step
+from meshforge.simulate.hardware import MAX_ARRIVAL_SKEW, cores_one_rank_uses
+from meshforge.simulate.host_probes import WARMUP, tiny_step
+from meshforge.simulate.rate_probes import reference_llama_step
 
-STEPS = 100  # steps per timing: ~1 s with 8 ranks on 2 cores (20 read no slowdown: too short)
-ROUNDS = 3  # timings per count, the fastest kept: a busy neighbour on a shared host only slows
+SHARING_TOKENS = (1, 128)  # the reference Llama's step on 128 tokens: ~11 ms alone here, ~55 ms on 8 ranks
+STEPS = 20  # steps per timing: ~1 s with 8 ranks on 2 cores
+ROUNDS = 3  # timings per count, interleaved; the fastest kept: a busy neighbour on a shared host only slows
+SKEW_REPEATS = 16  # bursts each followed by the collective, per burst length and group size
 
 
 def counts_to_measure(world: int, threads: int, cores: int) -> list[int]:
@@ -34,9 +44,9 @@ def counts_to_measure(world: int, threads: int, cores: int) -> list[int]:
 def measure_sharing(
     rank: int, world: int, threads: int, folder: str, device: str, cores: int, timeout_s: float
 ) -> None:
-    """One of `world` ranks: each count's ranks (the first n) step the tiny Llama at once, the rest
-    wait; rank 0 writes {n: slowdown} to folder/result.json, the slowdown being the median rank's
-    seconds a step over its equal share's (alone x n x the cores one rank used / cores), at least 1
+    """One of `world` ranks: rank 0 writes {"slowdown": {n: x}, "arrival_skew": {g: fraction}} to
+    folder/result.json (module doc), each the median rank's reading. The slowdown is a step's
+    seconds over its equal share's (alone x n x the cores one rank used / cores), at least 1
     (faster than an equal share is noise). `cores` comes from the caller, so every rank measures
     the same counts (their collectives must match). CPU ranks only (`device`: the launcher's)."""
     torch.set_num_threads(threads)
@@ -47,25 +57,61 @@ def measure_sharing(
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
-    step = tiny_llama_step()
+    step = reference_llama_step(SHARING_TOKENS)
     for _ in range(WARMUP):
         step()
-    seconds = {}
-    for n in [1, *counts_to_measure(world, threads, cores)]:
-        readings = []
-        for _ in range(ROUNDS):
+    counts = [1, *counts_to_measure(world, threads, cores)]
+    seconds: dict[int, float] = {}
+    for _ in range(ROUNDS):  # rounds interleaved: a host that drifts moves every count alike
+        for n in counts:
             dist.barrier()
-            mine = torch.tensor([_seconds_per_step(step) if rank < n else 0.0], dtype=torch.float64)
-            every = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(every, mine)
-            readings.append(statistics.median(float(t) for t in every[:n]))
-        seconds[n] = min(readings)
+            mine = _seconds_per_step(step) if rank < n else 0.0
+            reading = statistics.median(_gathered([mine])[:n, 0].tolist())
+            seconds[n] = min(seconds.get(n, reading), reading)
+    groups = [g for g in range(2, world + 1) if world % g == 0]
+    skews = _gathered([arrival_skew(g, step, tiny_step()) for g in groups]).median(dim=0).values
     dist.destroy_process_group()
     if rank == 0:
         alone = seconds.pop(1)
         used = cores_one_rank_uses(threads, cores)
         slowdown = {n: max(1.0, s / (alone * n * used / cores)) for n, s in seconds.items()}
-        Path(folder, "result.json").write_text(json.dumps(slowdown))
+        skew = {g: min(MAX_ARRIVAL_SKEW, max(0.0, float(f))) for g, f in zip(groups, skews)}
+        Path(folder, "result.json").write_text(json.dumps({"slowdown": slowdown, "arrival_skew": skew}))
+
+
+def arrival_skew(group_size: int, long: Callable[[], None], short: Callable[[], None]) -> float:
+    """This rank's extra wait in a small all-reduce on groups of `group_size` (the world split into
+    consecutive groups, all at once) behind the `long` burst over behind the `short` one, per
+    second the bursts differ: each burst and each collective timed on its own, so no two long
+    loops are subtracted (their noise drowned the wait)."""
+    group, _ = dist.new_subgroups(group_size=group_size)
+    buffer = torch.ones(1024)
+
+    def timed(burst: Callable[[], None]) -> tuple[float, float]:
+        for _ in range(WARMUP):
+            burst()
+            dist.all_reduce(buffer, group=group)
+        dist.barrier()
+        computing = waiting = 0.0
+        for _ in range(SKEW_REPEATS):
+            start = time.perf_counter()
+            burst()
+            done = time.perf_counter()
+            dist.all_reduce(buffer, group=group)
+            computing, waiting = computing + done - start, waiting + time.perf_counter() - done
+        return computing, waiting
+
+    long_burst, long_wait = timed(long)
+    short_burst, short_wait = timed(short)
+    return (long_wait - short_wait) / max(long_burst - short_burst, 1e-9)
+
+
+def _gathered(values: list[float]) -> torch.Tensor:
+    """Every rank's `values`, one row per rank."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.stack(every)
 
 
 def _seconds_per_step(step: Callable[[], None]) -> float:

@@ -21,6 +21,7 @@ RING = {"all_gather", "reduce_scatter", "all_to_all"}  # (n - 1) / n
 WHOLE = {"broadcast", "send"}  # 1
 KINDS = RING | WHOLE | {"all_reduce"}  # all_reduce: 2 (n - 1) / n
 MAX_MODEL_RATE_SHARE = 4.0  # a step at 4x the probes' rates: the host's share misread, not a model
+MAX_ARRIVAL_SKEW = 2.0  # waiting twice its computing time for its group: a misread, not a host
 
 
 def cores_one_rank_uses(threads: int, cores: int) -> int:
@@ -76,6 +77,10 @@ class Profile:
     # times): a reference Llama's step against them (rate_probes.model_rate_share); 1 where not
     # measured (a GPU's)
     model_rate_share: float = 1.0
+    # CPU: group size -> the share of a rank's computing wall time since its last collective that its
+    # next collective on such a group waits for the group's last rank beyond its link time (ranks
+    # sharing cores arrive apart); 0 where not measured
+    arrival_skew: dict[int, float] = field(default_factory=dict)
 
     def core_share(self, computing: int) -> float:
         """Each rank's rate, as a share of its rate alone, while `computing` ranks compute on the
@@ -92,6 +97,14 @@ class Profile:
         )
         return self.shared_cores / (computing * per_rank) / slowdown
 
+    def skew(self, group_size: int) -> float:
+        """`arrival_skew` of a group of `group_size` ranks: the measured size's, else linear between
+        measured sizes (the nearest's beyond them); 0 for a lone rank or where none was measured."""
+        if group_size < 2 or not self.arrival_skew:
+            return 0.0
+        sizes = sorted(self.arrival_skew)
+        return float(np.interp(group_size, sizes, [self.arrival_skew[g] for g in sizes]))
+
     @property
     def cores_per_rank(self) -> int:
         """CPU: the cores one rank alone used (its threads, at most all the cores)."""
@@ -105,6 +118,8 @@ class Profile:
         shared = world * self.cores_per_rank > self.shared_cores
         if self.shared_cores and shared and not self.sharing_slowdown:
             missing.append("what ranks sharing the cores lose beyond their share (sharing_slowdown)")
+        if self.shared_cores and world > 1 and not self.arrival_skew:
+            missing.append("a collective's wait for its group's last rank (arrival_skew)")
         if self.shared_cores and self.model_rate_share == 1.0 and "refined by" not in self.source:
             missing.append("the share of the probes' rates a model's step reaches (model_rate_share)")
         return missing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from meshforge.simulate.core_sharing import SHARING_TOKENS
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.rate_probes import CPU_PROBE, GPU_PROBE, REFERENCE_LLAMA, REFERENCE_TOKENS
 
@@ -58,7 +59,15 @@ def profile_table(profile: Profile, errors: dict[int, float], points: int) -> Ta
         table.add_row(
             "ranks sharing cores",
             ", ".join(f"{n}: x{s:.2f}" for n, s in sorted(profile.sharing_slowdown.items())),
-            f"a tiny Llama's step on n ranks at once, over its share of {profile.shared_cores} cores",
+            f"the reference Llama's step on {SHARING_TOKENS[0] * SHARING_TOKENS[1]} tokens on n ranks "
+            f"at once, over its share of {profile.shared_cores} cores",
+        )
+    if profile.arrival_skew:
+        table.add_row(
+            "wait for the last rank",
+            ", ".join(f"{g}: {f:.2f}" for g, f in sorted(profile.arrival_skew.items())),
+            "per group size, of the computing time since a rank's last collective: a small "
+            "all-reduce behind the reference step, over behind a short one",
         )
     for g, link in sorted(profile.links.items()):
         table.add_row(

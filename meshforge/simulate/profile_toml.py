@@ -14,7 +14,7 @@ import tomllib
 
 from meshforge.core.errors import Problem, RecipeError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.simulate.hardware import KINDS, MAX_MODEL_RATE_SHARE, Link, Profile
+from meshforge.simulate.hardware import KINDS, MAX_ARRIVAL_SKEW, MAX_MODEL_RATE_SHARE, Link, Profile
 
 PROFILES = Path(__file__).parent / "profiles"
 SHIPPED: dict[str, Path] = {p.stem: p for p in sorted(PROFILES.glob("*.toml"))}
@@ -59,6 +59,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "peak_flops": dict(profile.peak_flops),
         "attention_flops": dict(profile.attention_flops),
         "sharing_slowdown": {str(n): s for n, s in sorted(profile.sharing_slowdown.items())},
+        "arrival_skew": {str(g): f for g, f in sorted(profile.arrival_skew.items())},
         "links": {str(n): _link_dict(link) for n, link in sorted(profile.links.items())},
         "kind_links": {
             kind: {str(n): _link_dict(link) for n, link in sorted(links.items())}
@@ -130,6 +131,7 @@ TABLES = (
     "kind_links",
     "inter_node",
     "sharing_slowdown",
+    "arrival_skew",
 )
 LINK_KEYS = {"latency_s": (True, _non_negative), "bandwidth_Bps": (True, _positive)}
 
@@ -183,6 +185,14 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         if not count.isdigit() or int(count) < 2 or not _is_number(v) or v < 1:
             fix = "a count of ranks (an integer >= 2) = a slowdown >= 1 ([sharing_slowdown] 8 = 1.25)"
             problems.append(Problem(f"sharing_slowdown.{count}", v, fix))
+    skews = table("arrival_skew", "shares of the computing time waited, by group size")
+    for size, v in skews.items():
+        if not size.isdigit() or int(size) < 2 or not _is_number(v) or not 0 <= v <= MAX_ARRIVAL_SKEW:
+            fix = (
+                "a group size (an integer >= 2) = "
+                f"a share in [0, {MAX_ARRIVAL_SKEW}] ([arrival_skew] 8 = 0.3)"
+            )
+            problems.append(Problem(f"arrival_skew.{size}", v, fix))
     per_node = data.get("ranks_per_node")
 
     def sized_links(where: str, value: dict) -> dict[int, Link]:
@@ -228,6 +238,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
         attention_flops={dtype: float(rate) for dtype, rate in attention.items()},
         sharing_slowdown={int(n): float(s) for n, s in slowdowns.items()},
+        arrival_skew={int(g): float(f) for g, f in skews.items()},
         device_memory_gib=float(data.get("device_memory_gib", 0.0)),
         kind_links=kind_links,
     )

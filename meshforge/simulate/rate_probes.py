@@ -125,11 +125,17 @@ def model_rate_share(rates: dict, op_overhead_s: float) -> float:
     embedding's and the loss's backward). Read 0.76-0.84 here (calibrations: 0.79-0.84); on other
     Llamas 0.70 (debug_cpu's at 1,024 tokens), 0.72-0.78 (llm_1b shrunk), 0.87-0.91 (dim 128, 2
     layers, 256 tokens)."""
-    with torch.random.fork_rng():  # the same model each time, the caller's generator untouched
+    return share_of_rates(*seconds_and_cost(reference_llama_step()), rates, op_overhead_s)
+
+
+def reference_llama_step(tokens: tuple[int, int] = REFERENCE_TOKENS) -> Callable[[], None]:
+    """A training step of the reference Llama on `tokens` (batch, sequence): the same model and
+    tokens each time, the caller's random generator untouched."""
+    with torch.random.fork_rng():
         torch.manual_seed(0)
         model = Transformer(REFERENCE_LLAMA)
-        tokens = torch.randint(0, REFERENCE_LLAMA.vocab_size, REFERENCE_TOKENS)
-    return share_of_rates(*seconds_and_cost(llama_step(model, tokens)), rates, op_overhead_s)
+        batch = torch.randint(0, REFERENCE_LLAMA.vocab_size, tokens)
+    return llama_step(model, batch)
 
 
 def share_of_rates(seconds: float, cost: PhaseCost, rates: dict, op_overhead_s: float) -> float:

@@ -102,6 +102,7 @@ class Action:
     key: tuple[int, str, int]  # (stage, kind, microbatch)
     work: float
     wall: float
+    group: int = 1  # the largest group its collectives run on (1: none): its wait for the last rank
 
 
 def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile) -> StepPrediction:
@@ -116,7 +117,12 @@ def predict_step(works: dict[int, dict], dims, grad_accum: int, profile: Profile
         tail = [phases[p] for p in TAIL_PHASES if p in phases]
         timelines[pp_rank] = [
             *_actions(work, phases, grad_accum, dims.pp_enabled),
-            Action(TAIL, sum(t.compute_s for t in tail), sum(t.exposed_comm_s for t in tail)),
+            Action(
+                TAIL,
+                sum(t.compute_s for t in tail),
+                sum(t.exposed_comm_s for t in tail),
+                max((largest_group(work["costs"][p]) for p in TAIL_PHASES if p in phases), default=1),
+            ),
         ]
         every = _repeated(work, phases, grad_accum, dims.pp_enabled)
         totals[pp_rank] = [
@@ -154,19 +160,26 @@ def _actions(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipeline
     time, W the other half (weight gradients are half of a backward's matmuls)."""
     out, split = [], {}
     for i, (stage, kind, mb) in enumerate(work["actions"]):
-        t = phases.get(f"{i}:{kind}{stage}", PhaseTime(0.0, 0.0, 0.0, 0.0))
+        name = f"{i}:{kind}{stage}"
+        t = phases.get(name, PhaseTime(0.0, 0.0, 0.0, 0.0))
+        group = largest_group(work["costs"].get(name, {}))
         if kind == "I":
             split[(stage, mb)] = t.matmul_s / 2
-            out.append(Action((stage, kind, mb), t.compute_s - t.matmul_s / 2, t.exposed_comm_s))
+            out.append(Action((stage, kind, mb), t.compute_s - t.matmul_s / 2, t.exposed_comm_s, group))
         elif kind == "W":
             out.append(Action((stage, kind, mb), split.get((stage, mb), 0.0), 0.0))
         else:
-            out.append(Action((stage, kind, mb), t.compute_s, t.exposed_comm_s))
+            out.append(Action((stage, kind, mb), t.compute_s, t.exposed_comm_s, group))
     if not pipelined:
         steady = out[-2:]
         later = range(len(out) // 2, grad_accum)
-        out += [Action((0, a.key[1], m), a.work, a.wall) for m in later for a in steady]
+        out += [Action((0, a.key[1], m), a.work, a.wall, a.group) for m in later for a in steady]
     return out
+
+
+def largest_group(cost: dict) -> int:
+    """The most ranks any of a phase's collectives runs on (1 where it has none)."""
+    return max((len(ranks) for _, _, ranks, _, _ in cost.get("collectives", ())), default=1)
 
 
 def _repeated(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelined: bool) -> list[PhaseTime]:
@@ -184,18 +197,29 @@ def simulate_timed(
     """Play the pp ranks' timelines (module doc): each action starts once its inputs arrived
     (`send_s` after the neighbour's action ended); under shared cores the ranks computing at a
     moment, each with its `peers` (the dp/cp/tp ranks doing the same at once), share the cores
-    equally, each slowed by what sharing them costs (Profile.core_share). Per rank: (when it
-    finished, when its schedule did), and its time busy in the schedule."""
+    equally, each slowed by what sharing them costs (Profile.core_share). An action with
+    collectives waits, once its work is done, for its group's last rank: the profile's
+    arrival_skew of the group times the rank's computing wall time since its last collective. Per
+    rank: (when it finished, when its schedule did), and its time busy in the schedule."""
     last_stage = max(a.key[0] for acts in timelines.values() for a in acts)
     queues = {r: list(acts) for r, acts in timelines.items()}
     ended: dict[tuple[int, str, int], float] = {}  # an action -> when it ended
     running: dict[int, list] = {}  # rank -> [action, work left, wall left]
+    since_collective = dict.fromkeys(queues, 0.0)  # computing wall since the rank's last collective
+
+    def arrived(r: int, state: list) -> None:  # the action's work done: wait for the group's last rank
+        if state[0].group > 1:
+            state[2] += profile.skew(state[0].group) * since_collective[r]
+            since_collective[r] = 0.0
+
     ends, busy, now = {}, dict.fromkeys(queues, 0.0), 0.0
     while any(queues.values()) or running:
         for r, q in queues.items():
             if r not in running and q and _ready(q[0].key, ended, now, send_s, last_stage):
                 a = q.pop(0)
                 running[r] = [a, a.work, a.wall]
+                if a.work <= 0:
+                    arrived(r, running[r])
         computing = [r for r, s in running.items() if s[1] > 0]
         rate = profile.core_share(len(computing) * peers) if computing else 1.0
         steps = [s[1] / rate if s[1] > 0 else s[2] for s in running.values()]
@@ -210,6 +234,9 @@ def simulate_timed(
                 busy[r] += dt
             if state[1] > 0:
                 state[1] = max(0.0, state[1] - dt * rate)
+                since_collective[r] += dt
+                if state[1] <= 1e-12:
+                    arrived(r, state)
             else:
                 state[2] = max(0.0, state[2] - dt)
             if state[1] <= 1e-12 and state[2] <= 1e-12:
