@@ -22,7 +22,9 @@ previous stage's forward, the next stage's backward, plus the send between them)
 the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
 profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
 ranks leave their cores to the others (processor sharing), and more ranks than cores each run
-slower still than their share (`sharing_slowdown`: context switches, caches refilled; calibrated).
+slower still than their share (`sharing_slowdown`: context switches, caches refilled; calibrated),
+and an action with collectives waits, after its compute, for its group's last rank:
+    wait     = arrival_skew[group] x the rank's computing wall time since its last collective.
 The step ends with every rank's reduction, its sync collectives (the gradient norm's and the
 loss's synchronise the ranks), optimizer step and, on one step in `logging.log_every`, the logged
 memory figures' gather over the world.
