@@ -35,7 +35,7 @@ from meshforge.core.errors import RunError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops, usable_cores
-from meshforge.simulate.core_sharing import measure_sharing
+from meshforge.simulate.core_sharing import group_sizes, measure_sharing
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.host_probes import (
     WARMUP,
@@ -79,7 +79,7 @@ def calibrate(
     collectives = [timing for timing in timings if timing[1] != "send"]  # a send is not a collective's
     fits = {
         g: fit_link(g, [(kind, n, t) for size, kind, n, t in collectives if size == g])
-        for g in _groups(world)
+        for g in group_sizes(world)
     }
     kind_links = fit_kind_links(timings, list(fits), (*COLLECTIVES, "send"))
     node = platform.node() or "this machine"
@@ -153,11 +153,6 @@ def _keep(profile: Profile, out: Path | None, console: Console, start: float, er
     console.print(profile_table(profile, errors, len(SIZES) * len(COLLECTIVES)))
     where = f"; written to {out}" if out is not None else ""
     console.print(f"calibrated in {time.perf_counter() - start:.0f} s{where}", highlight=False)
-
-
-def _groups(world: int) -> list[int]:
-    """The group sizes measured: every divisor of the world from 2 up."""
-    return [g for g in range(2, world + 1) if world % g == 0]
 
 
 def _launch(target: Callable[..., None], world: int, threads: int, folder: Path, device: str) -> Any:
@@ -266,7 +261,7 @@ def _measure_links(rank: int, world: int, threads: int, folder: str, device: str
     )
     burst = tiny_step()
     cases, seconds = [], []
-    for g in _groups(world):
+    for g in group_sizes(world):
         group, _ = dist.new_subgroups(group_size=g)
         for kind in COLLECTIVES:
             for size in SIZES:

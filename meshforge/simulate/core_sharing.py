@@ -35,6 +35,11 @@ ROUNDS = 3  # timings per count, interleaved; the fastest kept: a busy neighbour
 SKEW_REPEATS = 16  # bursts each followed by the collective, per burst length and group size
 
 
+def group_sizes(world: int) -> list[int]:
+    """The group sizes calibrate measures: every divisor of the world from 2 up."""
+    return [g for g in range(2, world + 1) if world % g == 0]
+
+
 def counts_to_measure(world: int, threads: int, cores: int) -> list[int]:
     """The counts of ranks computing at once whose slowdown is measured: the divisors of the world
     (the groups that compute together: a layout's dp, cp, tp peers) with more threads than cores."""
@@ -68,8 +73,8 @@ def measure_sharing(
             mine = _seconds_per_step(step) if rank < n else 0.0
             reading = statistics.median(_gathered([mine])[:n, 0].tolist())
             seconds[n] = min(seconds.get(n, reading), reading)
-    groups = [g for g in range(2, world + 1) if world % g == 0]
-    skews = _gathered([arrival_skew(g, step, tiny_step()) for g in groups]).median(dim=0).values
+    groups, short = group_sizes(world), tiny_step()
+    skews = _gathered([arrival_skew(g, step, short) for g in groups]).median(dim=0).values
     dist.destroy_process_group()
     if rank == 0:
         alone = seconds.pop(1)
