@@ -16,7 +16,7 @@ from meshforge.run.observe.flops import GPU_PEAK_TFLOPS, usable_cores
 from meshforge.simulate.calibrate import _launch, calibrate, cost_under_load, local_profile
 from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.fake_rank import trace_pool
-from meshforge.simulate.hardware import MAX_ARRIVAL_SKEW, Link, Profile
+from meshforge.simulate.hardware import MAX_ARRIVAL_SKEW, MAX_ARRIVAL_SKEW_CAP_S, Link, Profile
 from meshforge.simulate.host_probes import dtensor_op_overhead, fsdp_unit_overhead, op_overhead, tiny_step
 from meshforge.simulate.link_fit import fit_link
 from meshforge.simulate.op_costs import PhaseCost
@@ -58,6 +58,7 @@ def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
     text = text.replace("float32 = 5.0e13", "float32 = -1\nfloat64 = 1e12")
     text = text.replace("model_rate_share = 1.0", "model_rate_share = 5.0")  # over calibrate's bound
     text += "\n[sharing_slowdown]\n4 = 1.1\n8 = 0.9\n1 = 2.0\n"
+    text += "\n[arrival_skew]\n8 = 2.5\n\n[arrival_skew_cap]\n4 = 0.03\n8 = 30\n"  # 30: ms written as s
     path = tmp_path / "mine.toml"
     path.write_text(text)
     with pytest.raises(RecipeError) as caught:
@@ -71,7 +72,10 @@ def test_unknown_and_bad_keys_are_refused_by_name(tmp_path):
         "sharing_slowdown.8",  # faster than an equal share of the cores
         "sharing_slowdown.1",  # one rank shares nothing
         "model_rate_share",
+        "arrival_skew.8",
+        "arrival_skew_cap.8",
     }
+    assert "seconds in [0, 1.0]" in fields["arrival_skew_cap.8"]
     assert "<= 4" in fields["model_rate_share"]
     assert "did you mean latency_s" in fields["links.4.latency"]
     assert "unknown key" in fields["bandwith_Bps"] and "> 0" in fields["matmul_flops.float32"]
@@ -84,7 +88,8 @@ def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
     an equal share is noise) and well under the 1.5 that leaving out the equal share would read
     (this machine: 1.10 for 4 ranks on its 2 cores; a machine with 3 cores or more reads 1). The
     same launch measures the world's only group's wait for its last rank: a share of the computing
-    time in [0, MAX_ARRIVAL_SKEW] (0.3-0.4 for groups of 8 here)."""
+    time in [0, MAX_ARRIVAL_SKEW] (0.3-0.4 for groups of 8 here), and the seconds it grows to in
+    [0, MAX_ARRIVAL_SKEW_CAP_S] (~0.03 for 8)."""
     assert counts_to_measure(8, 1, 2) == [4, 8] and counts_to_measure(6, 1, 2) == [3, 6]
     assert counts_to_measure(8, 2, 2) == [2, 4, 8] and counts_to_measure(2, 1, 2) == []
     if usable_cores() < 2:  # one core: 3 ranks' share is a third, alone would read 2x (not this)
@@ -92,9 +97,10 @@ def test_sharing_is_measured_for_the_counts_that_outnumber_the_cores():
     with tempfile.TemporaryDirectory() as tmp:
         sharing = partial(measure_sharing, cores=2, timeout_s=120)
         measured = _launch(sharing, 3, 1, Path(tmp) / "sharing", "cpu")
-    slowdown, skew = measured["slowdown"], measured["arrival_skew"]
+    slowdown, skew, cap = measured["slowdown"], measured["arrival_skew"], measured["arrival_skew_cap"]
     assert list(slowdown) == ["3"] and 1.0 <= slowdown["3"] < 1.45
     assert list(skew) == ["3"] and 0.0 <= skew["3"] <= MAX_ARRIVAL_SKEW
+    assert list(cap) == ["3"] and 0.0 <= cap["3"] <= MAX_ARRIVAL_SKEW_CAP_S
 
 
 def test_a_missing_profile_names_the_shipped_ones():
@@ -111,6 +117,8 @@ def test_save_and_load_round_trip(tmp_path):
         dtensor_op_overhead_s=40e-6,
         fsdp_unit_overhead_s=1.1e-3,
         sharing_slowdown={4: 1.08, 8: 1.2},
+        arrival_skew={2: 0.09, 8: 0.32},
+        arrival_skew_cap={2: 0.005, 8: 0.028},
         model_rate_share=0.8,
         peak_flops={"float32": 2e11},
         attention_flops={"float32": 6e10},

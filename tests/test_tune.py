@@ -383,9 +383,11 @@ def test_ranks_that_share_cores_share_their_time():
 def test_a_collective_waits_for_its_groups_last_rank_by_the_computing_since_the_last_one():
     """arrival_skew: an action with collectives on a group waits, after its work, the group size's
     share of the computing wall time since the rank's last collective (a forward without one
-    counts toward the backward's); between measured sizes linear, a lone rank waits nothing."""
+    counts toward the backward's), at most the group's arrival_skew_cap; between measured sizes
+    linear, a lone rank waits nothing."""
     shared = dataclasses.replace(CPU, shared_cores=2, arrival_skew={2: 0.1, 8: 0.4})
-    assert shared.skew(1) == 0.0 and shared.skew(4) == pytest.approx(0.2) and shared.skew(16) == 0.4
+    assert shared.arrival_wait(1, 10.0) == 0.0
+    assert shared.arrival_wait(4, 10.0) == pytest.approx(2.0) and shared.arrival_wait(16, 10.0) == 4.0
     timeline = [
         Action((0, "F", 0), 1.0, 0.0),  # no collective: its wall carries over
         Action((0, "B", 0), 2.0, 0.5, group=8),  # waits 0.4 x (F's 4 s + B's 8 s) at a quarter speed
@@ -393,9 +395,14 @@ def test_a_collective_waits_for_its_groups_last_rank_by_the_computing_since_the_
     ]
     ends, _ = simulate_timed({0: timeline}, 0.0, 8, shared)
     assert ends[0][0] == pytest.approx(4 * 3.25 + 0.5 + 0.4 * 12 + 0.1 * 1)
-    assert simulate_timed({0: timeline}, 0.0, 8, dataclasses.replace(shared, arrival_skew={}))[0][0][
-        0
-    ] == pytest.approx(4 * 3.25 + 0.5)
+    unskewed = dataclasses.replace(shared, arrival_skew={})
+    assert simulate_timed({0: timeline}, 0.0, 8, unskewed)[0][0][0] == pytest.approx(4 * 3.25 + 0.5)
+    # the lateness stops growing: B's 4.8 s wait is capped at the 8-group's 3 s, the tail's 0.1
+    # stays under the 2-group's 0.5
+    capped = dataclasses.replace(shared, arrival_skew_cap={2: 0.5, 8: 3.0})
+    assert capped.arrival_wait(4, 10.0) == pytest.approx(0.5 + 2.5 / 3)  # the cap between 2 and 8
+    ends, _ = simulate_timed({0: timeline}, 0.0, 8, capped)
+    assert ends[0][0] == pytest.approx(4 * 3.25 + 0.5 + 3.0 + 0.1 * 1)
 
 
 def test_a_ranks_share_of_the_cores_is_slowed_as_measured_between_counts():
@@ -443,6 +450,8 @@ def test_a_profile_names_what_it_does_not_price():
         model_rate_share=0.8,
         arrival_skew={2: 0.05, 4: 0.2, 8: 0.3},
     )
+    assert new.unpriced(8) == ["the most that wait grows to (arrival_skew_cap): it grows without bound"]
+    new = dataclasses.replace(new, arrival_skew_cap={2: 0.005, 4: 0.03, 8: 0.03})
     assert new.unpriced(8) == []
     assert load_profile("h100").unpriced(8) == ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
     # refined by measured runs: their fitted rates took the model's share in (no share to measure)

@@ -106,6 +106,7 @@ def calibrate(
         kind_links=kind_links,
         sharing_slowdown={int(n): s for n, s in lost.get("slowdown", {}).items()},
         arrival_skew={int(g): f for g, f in lost.get("arrival_skew", {}).items()},
+        arrival_skew_cap={int(g): c for g, c in lost.get("arrival_skew_cap", {}).items()},
     )
     _keep(profile, out, console, start, {g: err for g, (_, err) in fits.items()})
     return profile

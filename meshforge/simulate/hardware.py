@@ -22,6 +22,7 @@ WHOLE = {"broadcast", "send"}  # 1
 KINDS = RING | WHOLE | {"all_reduce"}  # all_reduce: 2 (n - 1) / n
 MAX_MODEL_RATE_SHARE = 4.0  # a step at 4x the probes' rates: the host's share misread, not a model
 MAX_ARRIVAL_SKEW = 2.0  # waiting twice its computing time for its group: a misread, not a host
+MAX_ARRIVAL_SKEW_CAP_S = 1.0  # a second late after however long a computation: a misread too
 
 
 def cores_one_rank_uses(threads: int, cores: int) -> int:
@@ -81,6 +82,9 @@ class Profile:
     # next collective on such a group waits for the group's last rank beyond its link time (ranks
     # sharing cores arrive apart); 0 where not measured
     arrival_skew: dict[int, float] = field(default_factory=dict)
+    # CPU: group size -> the most seconds that wait grows to, however long the computing (the
+    # scheduler evens the ranks out within a few of its rounds); unbounded where not measured
+    arrival_skew_cap: dict[int, float] = field(default_factory=dict)
 
     def core_share(self, computing: int) -> float:
         """Each rank's rate, as a share of its rate alone, while `computing` ranks compute on the
@@ -97,13 +101,15 @@ class Profile:
         )
         return self.shared_cores / (computing * per_rank) / slowdown
 
-    def skew(self, group_size: int) -> float:
-        """`arrival_skew` of a group of `group_size` ranks: the measured size's, else linear between
-        measured sizes (the nearest's beyond them); 0 for a lone rank or where none was measured."""
+    def arrival_wait(self, group_size: int, computing_s: float) -> float:
+        """Seconds a collective on `group_size` ranks waits for the group's last rank after a rank
+        computed `computing_s` since its last collective: `arrival_skew` of it, at most
+        `arrival_skew_cap` (each linear between measured sizes, the nearest's beyond them); 0 for a
+        lone rank or where none was measured."""
         if group_size < 2 or not self.arrival_skew:
             return 0.0
-        sizes = sorted(self.arrival_skew)
-        return float(np.interp(group_size, sizes, [self.arrival_skew[g] for g in sizes]))
+        wait = _by_group(self.arrival_skew, group_size) * computing_s
+        return min(wait, _by_group(self.arrival_skew_cap, group_size)) if self.arrival_skew_cap else wait
 
     @property
     def cores_per_rank(self) -> int:
@@ -120,6 +126,8 @@ class Profile:
             missing.append("what ranks sharing the cores lose beyond their share (sharing_slowdown)")
         if self.shared_cores and world > 1 and not self.arrival_skew:
             missing.append("a collective's wait for its group's last rank (arrival_skew)")
+        elif self.shared_cores and world > 1 and not self.arrival_skew_cap:
+            missing.append("the most that wait grows to (arrival_skew_cap): it grows without bound")
         if self.shared_cores and self.model_rate_share == 1.0 and "refined by" not in self.source:
             missing.append("the share of the probes' rates a model's step reaches (model_rate_share)")
         return missing
@@ -186,3 +194,9 @@ def algorithm_factor(kind: str, group_size: int) -> float:
     """Bytes each rank's link carries per byte of the full buffer (NCCL-tests' busbw factors)."""
     n = group_size
     return 1.0 if kind in WHOLE else (n - 1) / n * (2 if kind == "all_reduce" else 1)
+
+
+def _by_group(values: dict[int, float], group_size: int) -> float:
+    """A per-group-size figure at `group_size`: linear between the measured sizes."""
+    sizes = sorted(values)
+    return float(np.interp(group_size, sizes, [values[g] for g in sizes]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from meshforge.simulate.core_sharing import SHARING_TOKENS
+from meshforge.simulate.core_sharing import SATURATING_STEPS, SHARING_TOKENS
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.rate_probes import CPU_PROBE, GPU_PROBE, REFERENCE_LLAMA, REFERENCE_TOKENS
 
@@ -68,6 +68,13 @@ def profile_table(profile: Profile, errors: dict[int, float], points: int) -> Ta
             ", ".join(f"{g}: {f:.2f}" for g, f in sorted(profile.arrival_skew.items())),
             "per group size, of the computing time since a rank's last collective: a small "
             "all-reduce behind the reference step, over behind a short one",
+        )
+    if profile.arrival_skew_cap:
+        table.add_row(
+            "that wait at most",
+            ", ".join(f"{g}: {c * 1e3:.0f} ms" for g, c in sorted(profile.arrival_skew_cap.items())),
+            f"per group size: the same all-reduce behind {SATURATING_STEPS} reference steps, over behind "
+            "a short one (the lateness stops growing)",
         )
     for g, link in sorted(profile.links.items()):
         table.add_row(

@@ -14,7 +14,14 @@ import tomllib
 
 from meshforge.core.errors import Problem, RecipeError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.simulate.hardware import KINDS, MAX_ARRIVAL_SKEW, MAX_MODEL_RATE_SHARE, Link, Profile
+from meshforge.simulate.hardware import (
+    KINDS,
+    MAX_ARRIVAL_SKEW,
+    MAX_ARRIVAL_SKEW_CAP_S,
+    MAX_MODEL_RATE_SHARE,
+    Link,
+    Profile,
+)
 
 PROFILES = Path(__file__).parent / "profiles"
 SHIPPED: dict[str, Path] = {p.stem: p for p in sorted(PROFILES.glob("*.toml"))}
@@ -60,6 +67,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "attention_flops": dict(profile.attention_flops),
         "sharing_slowdown": {str(n): s for n, s in sorted(profile.sharing_slowdown.items())},
         "arrival_skew": {str(g): f for g, f in sorted(profile.arrival_skew.items())},
+        "arrival_skew_cap": {str(g): s for g, s in sorted(profile.arrival_skew_cap.items())},
         "links": {str(n): _link_dict(link) for n, link in sorted(profile.links.items())},
         "kind_links": {
             kind: {str(n): _link_dict(link) for n, link in sorted(links.items())}
@@ -132,6 +140,7 @@ TABLES = (
     "inter_node",
     "sharing_slowdown",
     "arrival_skew",
+    "arrival_skew_cap",
 )
 LINK_KEYS = {"latency_s": (True, _non_negative), "bandwidth_Bps": (True, _positive)}
 
@@ -185,14 +194,17 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         if not count.isdigit() or int(count) < 2 or not _is_number(v) or v < 1:
             fix = "a count of ranks (an integer >= 2) = a slowdown >= 1 ([sharing_slowdown] 8 = 1.25)"
             problems.append(Problem(f"sharing_slowdown.{count}", v, fix))
-    skews = table("arrival_skew", "shares of the computing time waited, by group size")
-    for size, v in skews.items():
-        if not size.isdigit() or int(size) < 2 or not _is_number(v) or not 0 <= v <= MAX_ARRIVAL_SKEW:
-            fix = (
-                "a group size (an integer >= 2) = "
-                f"a share in [0, {MAX_ARRIVAL_SKEW}] ([arrival_skew] 8 = 0.3)"
-            )
-            problems.append(Problem(f"arrival_skew.{size}", v, fix))
+
+    def by_group(where: str, what: str, bound: float, example: str) -> dict:
+        values = table(where, f"{what}, by group size")
+        for size, v in values.items():
+            if not size.isdigit() or int(size) < 2 or not _is_number(v) or not 0 <= v <= bound:
+                fix = f"a group size (an integer >= 2) = {what} in [0, {bound}] ([{where}] 8 = {example})"
+                problems.append(Problem(f"{where}.{size}", v, fix))
+        return values
+
+    skews = by_group("arrival_skew", "a share of the computing time", MAX_ARRIVAL_SKEW, "0.3")
+    caps = by_group("arrival_skew_cap", "seconds", MAX_ARRIVAL_SKEW_CAP_S, "0.03")
     per_node = data.get("ranks_per_node")
 
     def sized_links(where: str, value: dict) -> dict[int, Link]:
@@ -239,6 +251,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         attention_flops={dtype: float(rate) for dtype, rate in attention.items()},
         sharing_slowdown={int(n): float(s) for n, s in slowdowns.items()},
         arrival_skew={int(g): float(f) for g, f in skews.items()},
+        arrival_skew_cap={int(g): float(c) for g, c in caps.items()},
         device_memory_gib=float(data.get("device_memory_gib", 0.0)),
         kind_links=kind_links,
     )

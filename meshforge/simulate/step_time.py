@@ -24,7 +24,8 @@ profile's `shared_cores`) run at the share of a core each gets while they run: a
 ranks leave their cores to the others (processor sharing), and more ranks than cores each run
 slower still than their share (`sharing_slowdown`: context switches, caches refilled; calibrated),
 and an action with collectives waits, after its compute, for its group's last rank:
-    wait     = arrival_skew[group] x the rank's computing wall time since its last collective.
+    wait     = min(arrival_skew[group] x the rank's computing wall time since its last collective,
+                   arrival_skew_cap[group]).
 The step ends with every rank's reduction, its sync collectives (the gradient norm's and the
 loss's synchronise the ranks), optimizer step and, on one step in `logging.log_every`, the logged
 memory figures' gather over the world.
@@ -201,7 +202,8 @@ def simulate_timed(
     moment, each with its `peers` (the dp/cp/tp ranks doing the same at once), share the cores
     equally, each slowed by what sharing them costs (Profile.core_share). An action with
     collectives waits, once its work is done, for its group's last rank: the profile's
-    arrival_skew of the group times the rank's computing wall time since its last collective. Per
+    arrival_skew of the group times the rank's computing wall time since its last collective, at
+    most its arrival_skew_cap. Per
     rank: (when it finished, when its schedule did), and its time busy in the schedule."""
     last_stage = max(a.key[0] for acts in timelines.values() for a in acts)
     queues = {r: list(acts) for r, acts in timelines.items()}
@@ -211,7 +213,7 @@ def simulate_timed(
 
     def arrived(r: int, state: list) -> None:  # the action's work done: wait for the group's last rank
         if state[0].group > 1:
-            state[2] += profile.skew(state[0].group) * since_collective[r]
+            state[2] += profile.arrival_wait(state[0].group, since_collective[r])
             since_collective[r] = 0.0
 
     ends, busy, now = {}, dict.fromkeys(queues, 0.0), 0.0
