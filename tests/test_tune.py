@@ -820,6 +820,9 @@ def test_the_tunes_calibration_measured_plausible_numbers(tuned, tmp_path):
     assert set(profile.sharing_slowdown) == set(counts_to_measure(2, 1, profile.shared_cores))
     assert 0.3 < profile.model_rate_share < 1.2 and profile.unpriced(2) == []
     assert "model rate share" in stdout  # its row in the printed table
+    # the pair's wait for its last rank, a share and its bound, measured and printed
+    assert list(profile.arrival_skew) == list(profile.arrival_skew_cap) == [2]
+    assert profile.arrival_skew_cap[2] < 0.25 and "that wait at most" in stdout
     assert list(profile.links) == [2] and profile.calibrated_world == 2 and profile.shared_cores >= 1
     link = profile.link(2, False)
     assert 0 <= link.latency_s < 0.1 and link.bandwidth_Bps > 0

@@ -60,7 +60,7 @@ def calibrate(
     world: int, threads_per_rank: int, out: Path | None, console: Console, device: str = "cpu"
 ) -> Profile:
     """Measure this machine, print a summary to `console`, write the profile to `out` (TOML) if
-    given, and return it. Here (2 cores) about 10 s for world 2 and 45 s for world 8, most of it
+    given, and return it. Here (2 cores) about 10 s for world 2 and 55 s for world 8, most of it
     the links timed behind compute."""
     if world < 1 or threads_per_rank < 1:
         raise UsageError(f"calibrate needs world >= 1 and threads >= 1, not {world} and {threads_per_rank}")

@@ -12,7 +12,8 @@ the calibrated world:
   reference step over behind a short one, per second of the bursts' difference: here ~0.03-0.08
   for groups of 2, 0.17-0.30 of 4, 0.29-0.39 of 8. The lateness stops growing after a few
   scheduler rounds (`arrival_skew_cap`): behind 1, 2, 4 and 8 reference steps on groups of 8 the
-  extra wait read 13-14, 16-24, 27-33 and 25-32 ms, so it is also read behind 4 of them.
+  extra wait read 13-14, 16-24, 27-33 and 25-32 ms, so it is also read behind 4 of them (groups of
+  2 read 4, 2, 3 and 10 ms: not settled by 4, the larger of the two readings is kept).
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def measure_sharing(
 def arrival_skew(group_size: int, long: Callable[[], None], short: Callable[[], None]) -> tuple[float, float]:
     """This rank's extra wait in a small all-reduce on groups of `group_size` (the world split into
     consecutive groups, all at once) behind the `long` burst over behind the `short` one, per
-    second the bursts differ; and its extra wait behind SATURATING_STEPS long bursts, in seconds
-    (the cap). Each burst and each collective timed on its own, so no two long loops are
+    second the bursts differ; and its extra wait behind SATURATING_STEPS long bursts or behind
+    one, the larger, in seconds (the cap: at least the lateness already read, so a noisy reading
+    never caps the wait below it). Each burst and each collective timed on its own, so no two long loops are
     subtracted (their noise drowned the wait)."""
     group, _ = dist.new_subgroups(group_size=group_size)
     buffer = torch.ones(1024)
@@ -120,7 +122,8 @@ def arrival_skew(group_size: int, long: Callable[[], None], short: Callable[[], 
     long_burst, long_wait = timed(long)
     short_burst, short_wait = timed(short)
     _, saturated_wait = timed(saturating, SKEW_REPEATS // 2)
-    return (long_wait - short_wait) / max(long_burst - short_burst, 1e-9), saturated_wait - short_wait
+    share = (long_wait - short_wait) / max(long_burst - short_burst, 1e-9)
+    return share, max(saturated_wait, long_wait) - short_wait
 
 
 def _gathered(values: list[float]) -> torch.Tensor:
