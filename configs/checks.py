@@ -260,6 +260,7 @@ def check_ranges(r: Recipe) -> list[Problem]:
         ("train.max_norm", t.max_norm, t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
         ("train.cpu_threads", t.cpu_threads, t.cpu_threads >= 0, "must be >= 0 (0 = automatic)"),
         ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, "must be >= 0"),
+        ("train.gc_every", t.gc_every, t.gc_every >= 0, "must be >= 0 (0 = Python's automatic collection)"),
         ("lr_scheduler.warmup_steps", s.warmup_steps, 0 <= s.warmup_steps, "must be >= 0"),
         ("lr_scheduler.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "must be in [0, 1]"),
         ("lr_scheduler.warmup_start", s.warmup_start, 0 <= s.warmup_start <= 1, "must be in [0, 1]"),

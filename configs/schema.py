@@ -184,6 +184,12 @@ class TrainConfig:
     cpu_threads: int = F(0, "torch threads per process on CPU (unread on CUDA); 0 = cores / local processes")
     deterministic: bool = F(False, "use deterministic algorithms (slower on CUDA)")
     max_bad_steps: int = F(0, "skip up to K steps with a non-finite loss or grad norm before stopping")
+    gc_every: int = F(
+        50,
+        "Python's cyclic garbage collector is off while the steps run and every rank collects its young "
+        "objects at the end of every Nth step (TorchTitan's gc_freq), so no rank stalls its peers with a "
+        "collection of its own; 0 = Python's automatic collection",
+    )
 
 
 @dataclass

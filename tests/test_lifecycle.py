@@ -4,6 +4,7 @@ reads values on the host, what it records and logs, how it closes) is seen witho
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -122,3 +123,52 @@ def test_a_requeue_of_a_finished_run_trains_nothing_and_keeps_its_records(tmp_pa
     assert state.step == 0 and requeued.loader.closed
     assert {f: (run_dir / f).read_text() for f in before} == before
     assert json.loads(before["run.json"])["summary"]["final_loss"] == 3.0
+
+
+class GcWatchingTrainer(ScriptedTrainer):
+    """Records, per step, whether Python's collector was on, and which step's end ran a collection."""
+
+    def __init__(self, recipe, fail_at: int | None = None):
+        super().__init__(recipe, fail_at)
+        self.enabled, self.collections, self.step = {}, [], 0
+
+    def train_step(self, step: int) -> StepResult:
+        self.step = step
+        self.enabled[step] = gc.isenabled()
+        return super().train_step(step)
+
+    def watch(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.collections.append((self.step, info["generation"]))
+
+
+@pytest.mark.parametrize("gc_every", [3, 0])
+def test_the_garbage_collector_is_paced_by_the_steps_and_restored(tmp_path, gc_every):
+    """train.gc_every=3: the collector off while the steps run, the young generations collected once
+    before step 1 and at the ends of steps 3 and 6 (every rank at the same steps, so none stalls its
+    peers with its own), on again after a failure; 0: Python's automatic collection, untouched."""
+    recipe = load_recipe(
+        RECIPES / "debug_cpu.toml",
+        [
+            *ONE_RANK,
+            *QUICK,
+            "train.steps=7",
+            f"train.gc_every={gc_every}",
+            f"output_dir={tmp_path}",
+            "run_name=gc",
+        ],
+    )
+    trainer = GcWatchingTrainer(recipe, fail_at=7)
+    assert gc.isenabled()
+    gc.callbacks.append(trainer.watch)
+    try:
+        with pytest.raises(RuntimeError, match="deliberate failure at step 7"):
+            trainer.run()
+    finally:
+        gc.callbacks.remove(trainer.watch)
+    assert gc.isenabled()  # restored, though the run failed
+    if gc_every:
+        assert trainer.enabled == {s: False for s in range(1, 8)}
+        assert trainer.collections == [(0, 1), (3, 1), (6, 1)], trainer.collections
+    else:
+        assert trainer.enabled == {s: True for s in range(1, 8)}

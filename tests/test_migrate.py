@@ -192,6 +192,7 @@ def test_torchtitan_job_files_map_with_titan_s_defaults(tmp_path):
     assert r.fsdp.param_dtype == "bfloat16"  # TorchTitan's default mixed precision under FSDP
     assert (r.activation_checkpoint.mode, r.activation_checkpoint.selective_every) == ("selective", 2)
     assert "training.dataset = 'c4_test'" in text and not imported.unsupported
+    assert r.train.gc_every == 50  # TorchTitan's gc_freq default: its collector paced as theirs
 
     _, r, text = _import(tmp_path, TITAN / "llama3_8b.toml", 64)
     assert r.model.flavor == "8b" and r.model.dim is None  # meshforge's 8b is TorchTitan's 8B: no overrides
@@ -238,6 +239,8 @@ def test_torchtitan_context_parallel_maps_to_mesh_cp(tmp_path):
     job.write_text(text.replace("context_parallel_degree = 2\n", "context_parallel_degree = 2\n" + rotate))
     _, r, written = _import(tmp_path, job, 8)
     assert r.cp.method == "allgather" and "the same attention, other traffic" in written
+    job.write_text(text.replace("[training]\n", "[training]\ngc_freq = 7\n"))
+    assert _import(tmp_path, job, 8)[1].train.gc_every == 7  # a job's own gc_freq is kept
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,7 @@ NOT_MAPPED = {
     "model.print_after_conversion": "a debug print",
     "training.dataset": "TorchTitan's named datasets (c4): point data.source/data.path at your copy",
     "training.dataset_path": "TorchTitan's named datasets (c4): point data.source/data.path at your copy",
-    "training.gc_freq": "Python GC scheduling",
-    "training.gc_debug": "Python GC scheduling",
+    "training.gc_debug": "a debug mode (a full collection every step)",
     "parallelism.enable_async_tensor_parallel": "a compile-time TP overlap: same math",
     "parallelism.enable_compiled_autograd": "a compile option: same math",
     "checkpoint.last_save_model_only": "meshforge's last checkpoint holds model and optimizer",
@@ -222,6 +221,7 @@ def _training(k: Keys, out: Imported, dp: int, pp_microbatch: int | None) -> Non
     out.set("train.max_norm", float(t("max_norm", 1.0)))
     out.set("train.steps", t("steps", 10000))
     out.set("train.deterministic", t("deterministic", False))
+    out.set("train.gc_every", t("gc_freq", 50))
     out.set("fsdp.cpu_offload", t("enable_cpu_offload", False))
     if (seed := t("seed", None)) is not None:
         out.set("seed", seed)

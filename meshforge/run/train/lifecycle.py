@@ -27,6 +27,7 @@ from meshforge.run.observe.describe import banner, log_final, open_run
 from meshforge.run.observe.loggers import LoggerContainer
 from meshforge.run.observe.record import RunRecord, RunState, StepTime, Throughput, exclusion, summarize
 from meshforge.run.train.guards import StopSignals
+from meshforge.run.train.paced_gc import paced_gc
 
 log = logging.getLogger(__name__)
 
@@ -169,18 +170,22 @@ class TrainingRun:
         return st
 
     def _steps(self) -> None:
-        step_end = time.perf_counter()
-        for step in range(self.start_step + 1, self.recipe.train.steps + 1):
-            result, saved_s = self.train_step(step), None
-            try:
-                saved_s = self.after_step(step, result)
-            finally:  # a step that ends the run (the bad-step budget) is logged first
-                now = time.perf_counter()  # the step's time runs from the last one's end to here
-                self._record(step, result, now - step_end, saved_s)
-                step_end = now
-            if result.stop:
-                self.finish()  # an async save of this step is committed before the run ends
-                raise self.stop.interrupted(step, self.latest_checkpoint() if saved_s is not None else None)
+        with paced_gc(self.recipe.train.gc_every) as collect_garbage:
+            step_end = time.perf_counter()
+            for step in range(self.start_step + 1, self.recipe.train.steps + 1):
+                result, saved_s = self.train_step(step), None
+                collect_garbage(step)  # in the step's time: what the run pays
+                try:
+                    saved_s = self.after_step(step, result)
+                finally:  # a step that ends the run (the bad-step budget) is logged first
+                    now = time.perf_counter()  # the step's time runs from the last one's end to here
+                    self._record(step, result, now - step_end, saved_s)
+                    step_end = now
+                if result.stop:
+                    self.finish()  # an async save of this step is committed before the run ends
+                    raise self.stop.interrupted(
+                        step, self.latest_checkpoint() if saved_s is not None else None
+                    )
 
     def _record(self, step: int, result: StepResult, seconds: float, checkpoint_s: float | None) -> None:
         """Count the step's time for the summary (steady or excluded, and why) and log it."""
