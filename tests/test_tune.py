@@ -229,7 +229,8 @@ def test_refining_a_profile_recovers_measured_steps():
     """`--calibrate-from`'s fit: steps 'measured' on a machine 2x slower at matmuls, 3x at host
     work per op and 4x at link latency than the profile says, which the profile alone misses by
     40% or more: the fitted profile halves every run's error at least, and misses the median run
-    by under 10% (not 0: the pull towards the calibrated constants weighs against 5 runs)."""
+    by under 10% (not 0: the pull towards the calibrated constants weighs against the runs' mean
+    square, and soft L1 counts the largest misses less than squared)."""
     from meshforge.experiments.refine import MeasuredRun, fit_factors, scaled
 
     layouts = {**LAYOUTS, "pp2": ["mesh.pp=2"], "fsdp2_tp2": ["mesh.dp_shard=2", "mesh.tp=2"]}

@@ -14,6 +14,7 @@ compute at a transformer's sizes; links between GPUs (NCCL) are not measured yet
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -167,7 +168,8 @@ def _launch(target: Callable[..., None], world: int, threads: int, folder: Path,
         start_rank_server()
         context = multiprocessing.get_context("forkserver")
     ranks = [
-        context.Process(target=target, args=(r, world, threads, str(folder), device)) for r in range(world)
+        context.Process(target=_as_training_runs, args=(target, r, world, threads, str(folder), device))
+        for r in range(world)
     ]
     for p in ranks:
         p.start()
@@ -184,6 +186,14 @@ def _launch(target: Callable[..., None], world: int, threads: int, folder: Path,
         why = f"exit code {code}" if code is not None else f"still running after {TIMEOUT_S} s"
         raise RunError(f"calibration: rank {r} of {world} failed ({why}); its error is above")
     return json.loads((folder / "result.json").read_text())
+
+
+def _as_training_runs(target: Callable[..., None], *args) -> None:
+    """A probe's rank with Python's collector as a run's steps have it (train.gc_every): off, so no
+    rank's own collection is measured as its peers' wait."""
+    gc.disable()
+    gc.collect(1)
+    target(*args)
 
 
 def cost_under_load(
