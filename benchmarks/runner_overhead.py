@@ -61,7 +61,8 @@ def bare_loop(trainer: Trainer):
 
 def meshforge_loop(trainer: Trainer):
     """meshforge's per-step work in `TrainingRun._steps`: the step plus its metrics (memory, FLOPs)
-    and the loss read on the host, as a logging step does (and as the bare loop's loss.item())."""
+    and the loss read on the host, as a logging step does (and as the bare loop's loss.item()); the
+    collector's pacing (`train.gc_every`) is left out, as the bare loop has none."""
 
     def step() -> float:
         t0, n = time.perf_counter(), trainer.state.step + 1

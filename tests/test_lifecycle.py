@@ -4,8 +4,10 @@ reads values on the host, what it records and logs, how it closes) is seen witho
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -126,11 +128,13 @@ def test_a_requeue_of_a_finished_run_trains_nothing_and_keeps_its_records(tmp_pa
 
 
 class GcWatchingTrainer(ScriptedTrainer):
-    """Records, per step, whether Python's collector was on, and which step's end ran a collection."""
+    """Records, per step, whether Python's collector was on, and which step's end ran a collection
+    while it was off (the paced ones: an automatic one cannot run then); the collection at the end of
+    step `slow_at` takes 0.2 s longer."""
 
-    def __init__(self, recipe, fail_at: int | None = None):
+    def __init__(self, recipe, fail_at: int | None = None, slow_at: int = 3):
         super().__init__(recipe, fail_at)
-        self.enabled, self.collections, self.step = {}, [], 0
+        self.enabled, self.collections, self.step, self.slow_at = {}, [], 0, slow_at
 
     def train_step(self, step: int) -> StepResult:
         self.step = step
@@ -138,15 +142,18 @@ class GcWatchingTrainer(ScriptedTrainer):
         return super().train_step(step)
 
     def watch(self, phase: str, info: dict) -> None:
-        if phase == "start":
+        if phase == "start" and not gc.isenabled():
             self.collections.append((self.step, info["generation"]))
+            if self.step == self.slow_at:
+                time.sleep(0.2)
 
 
-@pytest.mark.parametrize("gc_every", [3, 0])
-def test_the_garbage_collector_is_paced_by_the_steps_and_restored(tmp_path, gc_every):
-    """train.gc_every=3: the collector off while the steps run, the young generations collected once
-    before step 1 and at the ends of steps 3 and 6 (every rank at the same steps, so none stalls its
-    peers with its own), on again after a failure; 0: Python's automatic collection, untouched."""
+@pytest.mark.parametrize("gc_every,fail_at", [(3, None), (3, 7), (0, None)])
+def test_the_garbage_collector_is_paced_by_the_steps_and_restored(tmp_path, gc_every, fail_at):
+    """train.gc_every=3: the collector off while the steps run; everything collected once before step
+    1, the young generations at the ends of steps 3 and 6 (every rank at the same steps, so none
+    stalls its peers with its own), in those steps' time; on again when the run ends, finished or
+    failed. 0: Python's automatic collection, untouched."""
     recipe = load_recipe(
         RECIPES / "debug_cpu.toml",
         [
@@ -158,17 +165,21 @@ def test_the_garbage_collector_is_paced_by_the_steps_and_restored(tmp_path, gc_e
             "run_name=gc",
         ],
     )
-    trainer = GcWatchingTrainer(recipe, fail_at=7)
+    trainer = GcWatchingTrainer(recipe, fail_at=fail_at)
     assert gc.isenabled()
     gc.callbacks.append(trainer.watch)
     try:
-        with pytest.raises(RuntimeError, match="deliberate failure at step 7"):
-            trainer.run()
+        with pytest.raises(RuntimeError, match="deliberate failure") if fail_at else contextlib.nullcontext():
+            state = trainer.run()
     finally:
         gc.callbacks.remove(trainer.watch)
-    assert gc.isenabled()  # restored, though the run failed
+    assert gc.isenabled()  # restored
+    steps = range(1, 8)  # a failing step 7 ran with the collector off too
     if gc_every:
-        assert trainer.enabled == {s: False for s in range(1, 8)}
-        assert trainer.collections == [(0, 1), (3, 1), (6, 1)], trainer.collections
+        assert trainer.enabled == {s: False for s in steps}
+        assert trainer.collections == [(0, 2), (3, 1), (6, 1)], trainer.collections
     else:
-        assert trainer.enabled == {s: True for s in range(1, 8)}
+        assert trainer.enabled == {s: True for s in steps} and trainer.collections == []
+    if not fail_at:
+        seconds = {t.step: t.seconds for t in state.times}
+        assert (seconds[3] >= 0.2) == bool(gc_every) and seconds[2] < 0.2  # the collection is in its step

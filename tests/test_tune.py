@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import QUICK, RECIPES, run_cli, slurm_env
@@ -262,6 +263,21 @@ def test_refining_a_profile_recovers_measured_steps():
     after = [abs(r.predict(scaled(profile, factors)) / r.step_s - 1) for r in runs]
     assert min(before) > 0.4, before
     assert all(a <= b / 2 for a, b in zip(after, before)) and sorted(after)[2] < 0.1, (before, after, factors)
+    # the runs weigh as one against the pull: three copies of each run move no constant further
+    tripled = fit_factors(runs * 3, profile)
+    assert all(abs(tripled[k] / factors[k] - 1) < 0.02 for k in factors), (tripled, factors)
+
+
+def test_the_fits_soft_l1_residuals_square_to_scipys_loss():
+    """refine._soft_l1(m)^2 is scipy's soft_l1 of the miss at ROBUST_SCALE: ~m^2 for small misses,
+    growing linearly for large ones (a layout missed by 60% weighs ~12x one missed by 10%, not 36x)."""
+    from meshforge.experiments.refine import ROBUST_SCALE, _soft_l1
+
+    m = np.array([-0.6, -0.1, -1e-9, 0.0, 1e-9, 0.01, 0.1, 0.6])
+    c = ROBUST_SCALE
+    assert np.allclose(_soft_l1(m) ** 2, c * c * 2 * (np.sqrt(1 + (m / c) ** 2) - 1), rtol=1e-9, atol=1e-18)
+    assert np.allclose(_soft_l1(-m), -_soft_l1(m)) and abs(_soft_l1(np.array([1e-9]))[0] / 1e-9 - 1) < 1e-6
+    assert 10 < (_soft_l1(np.array([0.6])) / _soft_l1(np.array([0.1])))[0] ** 2 < 15
 
 
 def test_a_refined_profiles_file_name_takes_no_quotes():

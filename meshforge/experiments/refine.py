@@ -130,10 +130,10 @@ def fit_factors(runs: list[MeasuredRun], profile: Profile) -> dict[str, float]:
 
 
 def _soft_l1(misses: np.ndarray) -> np.ndarray:
-    """Residuals whose squares are scipy's soft L1 loss of `misses` (ROBUST_SCALE): as the miss near
-    0, linear in it beyond the scale. Applied here so the pull's residuals stay squared."""
-    c = ROBUST_SCALE
-    return np.sign(misses) * np.sqrt(2 * c * c * (np.sqrt(1 + (misses / c) ** 2) - 1))
+    """Residuals whose squares are scipy's soft L1 loss of `misses` (C^2 x 2(sqrt(1 + (m/C)^2) - 1),
+    C = ROBUST_SCALE): about the miss near 0, its square growing only linearly beyond C. Written
+    without the difference, which cancels for tiny misses; applied here so the pull stays squared."""
+    return misses * np.sqrt(2 / (1 + np.sqrt(1 + (misses / ROBUST_SCALE) ** 2)))
 
 
 def refine(profile: Profile, paths: list[Path], console: Console) -> Profile:
