@@ -14,7 +14,6 @@ compute at a transformer's sizes; links between GPUs (NCCL) are not measured yet
 
 from __future__ import annotations
 
-import gc
 import json
 import multiprocessing
 import os
@@ -36,6 +35,7 @@ from meshforge.core.errors import RunError, UsageError
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.rank_server import start_rank_server
 from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops, usable_cores
+from meshforge.run.train.paced_gc import collector_off
 from meshforge.simulate.core_sharing import group_sizes, measure_sharing
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.host_probes import (
@@ -191,9 +191,8 @@ def _launch(target: Callable[..., None], world: int, threads: int, folder: Path,
 def _as_training_runs(target: Callable[..., None], *args) -> None:
     """A probe's rank with Python's collector as a run's steps have it (train.gc_every): off, so no
     rank's own collection is measured as its peers' wait."""
-    gc.disable()
-    gc.collect(1)
-    target(*args)
+    with collector_off():
+        target(*args)
 
 
 def cost_under_load(

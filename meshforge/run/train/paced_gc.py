@@ -15,6 +15,21 @@ from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """Python's collector off, after one full collection of what came before (untimed setup's
+    leftovers); restored on the way out, however that is. Calibrate's probe ranks run in it too, so
+    they measure what a run's steps see."""
+    was_enabled = gc.isenabled()
+    try:
+        gc.disable()
+        gc.collect()
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def paced_gc(every: int) -> Iterator[Callable[[int], None]]:
     """Yields `collect(step)`, to call at each step's end; `every` = 0 leaves the collector as it is."""
     if every == 0:
@@ -25,11 +40,5 @@ def paced_gc(every: int) -> Iterator[Callable[[int], None]]:
         if step % every == 0:
             gc.collect(1)
 
-    was_enabled = gc.isenabled()
-    try:
-        gc.disable()
-        gc.collect()  # all that setting up left behind, before the first step is timed
+    with collector_off():
         yield collect
-    finally:
-        if was_enabled:
-            gc.enable()
