@@ -13,7 +13,8 @@ from meshforge.configs import RecipeError
 from meshforge.recipe import load_recipe
 from meshforge.run.observe.profile import DATA, OPTIMIZER, PARTS, breakdown, union_length
 
-STEP = [(0.0, 1000.0)]  # one step of 1000 us
+MAIN = 1  # the step's thread
+STEP = [(0.0, 1000.0, MAIN)]  # one step of 1000 us
 
 
 def test_overlapping_intervals_count_once():
@@ -22,12 +23,12 @@ def test_overlapping_intervals_count_once():
 
 def test_on_a_host_timeline_every_collective_is_exposed_and_the_rest_is_compute():
     events = [
-        ("aten::mm", 0, 300, False),
-        ("gloo:all_reduce", 300, 500, False),
-        ("c10d::allreduce_", 300, 520, False),  # nested around the gloo op: counted once, to 520
-        ("gloo:recv", 600, 700, False),
-        (DATA, 900, 950, False),
-        (OPTIMIZER, 950, 1000, False),
+        ("aten::mm", 0, 300, False, MAIN),
+        ("gloo:all_reduce", 300, 500, False, MAIN),
+        ("c10d::allreduce_", 300, 520, False, MAIN),  # nested around the gloo op: counted once, to 520
+        ("gloo:recv", 600, 700, False, MAIN),
+        (DATA, 900, 950, False, MAIN),
+        (OPTIMIZER, 950, 1000, False, MAIN),
     ]
     parts = breakdown(events, STEP)
     assert parts == pytest.approx(
@@ -44,17 +45,40 @@ def test_on_a_host_timeline_every_collective_is_exposed_and_the_rest_is_compute(
 
 def test_on_a_device_timeline_only_communication_no_kernel_hides_is_exposed():
     events = [
-        ("ampere_sgemm", 0, 400, True),
-        ("ncclDevKernel_AllGather_RING_LL", 200, 600, True),  # 200-400 overlapped by the matmul
-        ("ncclDevKernel_SendRecv", 700, 800, True),
-        ("aten::mm", 0, 10, False),  # host launches: not the device's timeline
-        (OPTIMIZER, 900, 1000, False),
+        ("ampere_sgemm", 0, 400, True, 7),
+        ("ncclDevKernel_AllGather_RING_LL", 200, 600, True, 8),  # 200-400 overlapped by the matmul
+        ("ncclDevKernel_SendRecv", 700, 800, True, 8),
+        ("aten::mm", 0, 10, False, MAIN),  # host launches: not the device's timeline
+        (OPTIMIZER, 900, 1000, False, MAIN),
     ]
     parts = breakdown(events, STEP)
     assert parts["communication_s"] == pytest.approx(200e-6) and parts["pipeline_p2p_s"] == pytest.approx(
         100e-6
     )
     assert parts["optimizer_s"] == pytest.approx(100e-6) and parts["compute_s"] == pytest.approx(600e-6)
+
+
+def test_on_a_host_timeline_an_asynchronous_op_is_exposed_only_while_the_thread_waits():
+    """A gloo op's interval is its work's lifetime: a pipeline's send issued before the backward
+    spans it, and an all-gather on gloo's own thread runs while the step's thread computes. Only
+    the thread's time outside its operators, with the op in flight, is theirs; a collective wait
+    held inside an operator (DTensor's) is exposed."""
+    events = [
+        ("aten::mm", 0, 200, False, MAIN),
+        ("gloo:send", 150, 650, False, MAIN),  # issued inside the forward, done after the wait below
+        ("aten::mm", 250, 600, False, MAIN),
+        ("aten::linear", 620, 800, False, MAIN),  # a DTensor op: its redistribution waits inside it
+        ("_c10d_functional::wait_tensor", 700, 760, False, MAIN),
+        ("gloo:all_gather", 300, 900, False, 2),  # on gloo's thread: waited for from 800
+        (OPTIMIZER, 950, 1000, False, MAIN),
+    ]
+    parts = breakdown(events, STEP)
+    # the thread is outside its operators (or in the wait) at 200-250, 600-620, 700-760 and 800-950:
+    # the send alone is in flight at 200-250; a collective (which counts first) at 600-620, 700-760
+    # and 800-900; nothing at 900-950 (host work outside operators: compute)
+    assert parts["pipeline_p2p_s"] == pytest.approx(50e-6)
+    assert parts["communication_s"] == pytest.approx(180e-6)
+    assert parts["compute_s"] == pytest.approx(720e-6) and sum(parts.values()) == pytest.approx(1000e-6)
 
 
 @pytest.mark.parametrize(

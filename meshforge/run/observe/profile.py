@@ -5,14 +5,19 @@ into what it was spent on.
 The split is read from the trace, as intervals on one timeline: the host thread that runs the step
 on CPU, the device's kernels on CUDA (where the host only enqueues them). Communication is the union
 of collective intervals (gloo/NCCL ops, c10d and functional collectives) that no compute interval
-covers: on a CPU thread everything is exposed, on CUDA a collective overlapped by a compute kernel is
-not counted. Pipeline send/receive, the wait for the neighbour stage (so the bubble with it), is its
-own part; data and optimizer are the trainer's named regions (`DATA`, `OPTIMIZER`); compute is the
-rest of the step's wall time (forward, backward, host work).
+covers. On CUDA the compute intervals are the kernels. On CPU they are the step thread's operators
+(`aten::`, less the collective waits a DTensor op holds): a gloo op's interval is its work's
+lifetime, and an asynchronous one (a pipeline's send, FSDP's all-gather) runs while the thread
+computes, so only the time the thread waits with it in flight is exposed (2026-12-06: a pp 2 GPipe
+step's sends spanned 300 of its 740 ms, and rank 0 read 342 ms of send/receive where it waited
+226). Pipeline send/receive, the wait for the neighbour stage (so the bubble with it), is its own
+part; data and optimizer are the trainer's named regions (`DATA`, `OPTIMIZER`); compute is the rest
+of the step's wall time (forward, backward, host work).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 from collections.abc import Iterable
@@ -59,23 +64,73 @@ def clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tup
     return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
 
 
-def breakdown(events: list[tuple[str, float, float, bool]], steps: list[tuple[float, float]]) -> dict:
-    """Mean seconds per step by part. `events`: (name, start_us, end_us, on_device) of a trace;
-    `steps`: each profiled step's (start_us, end_us). The timeline is the device's kernels when
-    there are any (CUDA), else the host's."""
+def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`intervals` as disjoint sorted intervals covering the same time."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def host_compute(events: list[tuple], thread: int) -> list[tuple[float, float]]:
+    """When the step's thread runs an operator (`aten::`), less the collective waits an operator
+    holds (DTensor's redistribution inside its op): the CPU timeline's compute."""
+    ops = merged((a, b) for n, a, b, _, t in events if t == thread and n.startswith("aten::"))
+    starts = [a for a, _ in ops]
+    holes = []
+    for n, a, b, _, t in events:
+        if t == thread and (is_collective(n) or is_p2p(n)):
+            i = bisect.bisect_right(starts, a) - 1
+            if i >= 0 and b <= ops[i][1]:  # held inside one operator: the thread waits there
+                holes.append((a, b))
+    return subtract(ops, merged(holes))
+
+
+def subtract(
+    intervals: list[tuple[float, float]], holes: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """Disjoint sorted `intervals` less disjoint sorted `holes` (one pass over both)."""
+    out, j = [], 0
+    for a, b in intervals:
+        while j < len(holes) and holes[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(holes) and holes[k][0] < b:
+            if holes[k][0] > a:
+                out.append((a, holes[k][0]))
+            a = max(a, holes[k][1])
+            k += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def breakdown(
+    events: list[tuple[str, float, float, bool, int]], steps: list[tuple[float, float, int]]
+) -> dict:
+    """Mean seconds per step by part. `events`: (name, start_us, end_us, on_device, thread) of a
+    trace; `steps`: each profiled step's (start_us, end_us, thread). The timeline is the device's
+    kernels when there are any (CUDA), else the host's, where the step's thread computes while
+    it runs an operator (host_compute)."""
     device = any(e[3] for e in events)
     line = [e for e in events if e[3] == device]
-    comm = [(a, b) for n, a, b, _ in line if is_collective(n)]
-    p2p = [(a, b) for n, a, b, _ in line if is_p2p(n)]
-    compute_kernels = [(a, b) for n, a, b, _ in line if not is_collective(n) and not is_p2p(n)]
+    comm = [(a, b) for n, a, b, *_ in line if is_collective(n)]
+    p2p = [(a, b) for n, a, b, *_ in line if is_p2p(n)]
+    if device:
+        compute = [(a, b) for n, a, b, *_ in line if not is_collective(n) and not is_p2p(n)]
+    else:
+        compute = [iv for thread in {t for *_, t in steps} for iv in host_compute(events, thread)]
     regions = {
-        p: [(a, b) for n, a, b, d in events if n == name and not d]
+        p: [(a, b) for n, a, b, d, _ in events if n == name and not d]
         for p, name in (("data_s", DATA), ("optimizer_s", OPTIMIZER))
     }
     out = dict.fromkeys(PARTS, 0.0)
-    for lo, hi in steps:
+    for lo, hi, _ in steps:
         data, optim = clip(regions["data_s"], lo, hi), clip(regions["optimizer_s"], lo, hi)
-        cover = clip(compute_kernels, lo, hi) if device else []
+        cover = clip(compute, lo, hi)
         comm_s = minus(clip(comm, lo, hi), cover + data + optim)
         p2p_s = minus(clip(p2p, lo, hi), cover + data + optim + clip(comm, lo, hi))
         out["data_s"] += union_length(data)
@@ -136,8 +191,8 @@ class StepProfiler:
             on_device = e.device_type == torch.autograd.DeviceType.CUDA
             span = (e.time_range.start, e.time_range.end)
             if e.name.startswith("meshforge/step") and not on_device:
-                steps.append(span)
-            events.append((e.name, *span, on_device))
+                steps.append((*span, e.thread))
+            events.append((e.name, *span, on_device, e.thread))
         self._prof = None
         parts = breakdown(events, sorted(steps))
         (self.folder / f"rank{self.rank}-breakdown.json").write_text(json.dumps(parts, indent=1) + "\n")
