@@ -647,6 +647,25 @@ def test_a_pipelines_sends_are_priced_at_the_calibrated_send():
     assert predict_step(works, ParallelDims(pp=2), 1, sending).step_s == pytest.approx(free + 2 * 1.25)
 
 
+def test_a_receive_starts_when_both_stages_are_ready_and_a_ranks_own_stage_sends_nothing():
+    """gloo's send waits for its receive to be posted: a receiver busy when its input was sent still
+    pays the transfer once it is free, and a stage fed by a stage on its own rank (ZBV's V) pays
+    none."""
+
+    def forward(stage: int, mb: int, work: float) -> Action:
+        return Action((stage, "F", mb), work, 0.0)
+
+    tail = Action((-1, "tail", 0), 0.0, 0.0)
+    sender = [forward(0, 0, 1.0), forward(0, 1, 1.0), tail]  # sends at 1 s and 2 s
+    # busy until 4.5 s (received at 1-1.5 s): the second input, sent at 2 s, is received at 4.5-5 s
+    late = {0: sender, 1: [forward(1, 0, 3.0), forward(1, 1, 1.0), tail]}
+    ends, busy = simulate_timed(late, 0.5, 1, CPU)
+    assert ends[1][0] == pytest.approx(6.0) and busy[1] == pytest.approx(4.0)  # receiving is not busy
+    # stages 1 and 2 on rank 1: stage 2 starts when stage 1 ends
+    own = {0: [forward(0, 0, 1.0), tail], 1: [forward(1, 0, 1.0), forward(2, 0, 1.0), tail]}
+    assert simulate_timed(own, 0.5, 1, CPU)[0][1][0] == pytest.approx(1.0 + 0.5 + 1.0 + 1.0)
+
+
 def test_points_that_train_on_different_batches_are_ranked_by_tokens_per_second():
     """llm_8b fixes the micro batch, so dp8 x tp2 trains on 8x the tokens of cp2 x tp8 per step:
     ranked by step time, the slower layout came first (predicted 2,103 vs 4,515 tokens/s/device)."""

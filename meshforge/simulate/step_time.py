@@ -18,8 +18,10 @@ On a GPU the host's part of compute (ops x host cost) runs ahead of the device i
 is the longer of the device's timeline and the busiest rank's host work over the whole step (a
 model too small to keep the GPU busy is as fast as its host dispatches).
 Pipelines: every pp rank's actions in its schedule's order, each waiting for what it needs (the
-previous stage's forward, the next stage's backward, plus the send between them): the makespan is
-the critical path, and the bubble is the idle share of it. Ranks that share CPU cores (the
+previous stage's forward, the next stage's backward); an input from another rank is then received,
+a send's time on the receiver's timeline from when both sides are ready (a rendezvous: the send
+does not start before its receive is posted): the makespan is the critical path, and the bubble is
+the idle share of it. Ranks that share CPU cores (the
 profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
 ranks leave their cores to the others (processor sharing), and more ranks than cores each run
 slower still than their share (`sharing_slowdown`: context switches, caches refilled; calibrated),
@@ -197,72 +199,88 @@ def _repeated(work: dict, phases: dict[str, PhaseTime], grad_accum: int, pipelin
 def simulate_timed(
     timelines: dict[int, list[Action]], send_s: float, peers: int, profile: Profile
 ) -> tuple[dict[int, tuple[float, float]], dict[int, float]]:
-    """Play the pp ranks' timelines (module doc): each action starts once its inputs arrived
-    (`send_s` after the neighbour's action ended); under shared cores the ranks computing at a
-    moment, each with its `peers` (the dp/cp/tp ranks doing the same at once), share the cores
-    equally, each slowed by what sharing them costs (Profile.core_share). An action with
-    collectives waits, once its work is done, for its group's last rank: the profile's
-    arrival_skew of the group times the rank's computing wall time since its last collective, at
-    most its arrival_skew_cap. Per
-    rank: (when it finished, when its schedule did), and its time busy in the schedule."""
+    """Play the pp ranks' timelines (module doc): each action starts once what it needs has ended
+    (its stage's earlier half, the neighbour stage's action); one whose input comes from another
+    rank first receives it, `send_s` of wall time that starts only when both sides are ready
+    (gloo's send waits for the receive to be posted: a pipeline's receiver paid 5 ms for 0.5 MB
+    sent long before, 2026-12-06), while a stage's input from its own rank costs nothing. Under
+    shared cores the ranks computing at a moment, each with its `peers` (the dp/cp/tp ranks doing
+    the same at once), share the cores equally, each slowed by what sharing them costs
+    (Profile.core_share). An action with collectives waits, once its work is done, for its group's
+    last rank: the profile's arrival_skew of the group times the rank's computing wall time since
+    its last collective, at most its arrival_skew_cap. Per rank: (when it finished, when its
+    schedule did), and its time busy in the schedule (receiving is not)."""
     last_stage = max(a.key[0] for acts in timelines.values() for a in acts)
+    home = {a.key[0]: r for r, acts in timelines.items() for a in acts if a.key != TAIL}
     queues = {r: list(acts) for r, acts in timelines.items()}
     ended: dict[tuple[int, str, int], float] = {}  # an action -> when it ended
-    running: dict[int, list] = {}  # rank -> [action, work left, wall left]
+    running: dict[int, list] = {}  # rank -> [action, receive left, work left, wall left]
     since_collective = dict.fromkeys(queues, 0.0)  # computing wall since the rank's last collective
 
     def arrived(r: int, state: list) -> None:  # the action's work done: wait for the group's last rank
         if state[0].group > 1:
-            state[2] += profile.arrival_wait(state[0].group, since_collective[r])
+            state[3] += profile.arrival_wait(state[0].group, since_collective[r])
             since_collective[r] = 0.0
 
     ends, busy, now = {}, dict.fromkeys(queues, 0.0), 0.0
     while any(queues.values()) or running:
         for r, q in queues.items():
-            if r not in running and q and _ready(q[0].key, ended, now, send_s, last_stage):
+            if r not in running and q and _ready(q[0].key, ended, last_stage):
                 a = q.pop(0)
-                running[r] = [a, a.work, a.wall]
-                if a.work <= 0:
+                source = _source_stage(a.key, last_stage)
+                receive = send_s if source is not None and home[source] != r else 0.0
+                running[r] = [a, receive, a.work, a.wall]
+                if receive <= 0 and a.work <= 0:
                     arrived(r, running[r])
-        computing = [r for r, s in running.items() if s[1] > 0]
-        rate = profile.core_share(len(computing) * peers) if computing else 1.0
-        steps = [s[1] / rate if s[1] > 0 else s[2] for s in running.values()]
-        steps += [t + send_s - now for t in ended.values() if t + send_s > now + 1e-12]
-        if not steps:
+        if not running:
             raise RuntimeError("the pipeline schedule deadlocks: no rank can start its next action")
-        dt = min(steps)
+        computing = [r for r, s in running.items() if s[1] <= 0 and s[2] > 0]
+        rate = profile.core_share(len(computing) * peers) if computing else 1.0
+        dt = min(s[1] if s[1] > 0 else s[2] / rate if s[2] > 0 else s[3] for s in running.values())
         now += dt
         for r, state in list(running.items()):
             a = state[0]
+            if state[1] > 0:  # receiving its input
+                state[1] = max(0.0, state[1] - dt)
+                if state[1] <= 1e-12 and state[2] <= 0:
+                    arrived(r, state)
+                continue
             if a.key != TAIL:
                 busy[r] += dt
-            if state[1] > 0:
-                state[1] = max(0.0, state[1] - dt * rate)
+            if state[2] > 0:
+                state[2] = max(0.0, state[2] - dt * rate)
                 since_collective[r] += dt
-                if state[1] <= 1e-12:
+                if state[2] <= 1e-12:
                     arrived(r, state)
             else:
-                state[2] = max(0.0, state[2] - dt)
-            if state[1] <= 1e-12 and state[2] <= 1e-12:
+                state[3] = max(0.0, state[3] - dt)
+            if state[2] <= 1e-12 and state[3] <= 1e-12:
                 del running[r]
                 ended[a.key] = now
                 ends[r] = (now, ends.get(r, (0.0, now))[1] if a.key == TAIL else now)
     return ends, busy
 
 
-def _ready(key: tuple[int, str, int], ended: dict, now: float, send_s: float, last_stage: int) -> bool:
-    """Whether an action may start: its own stage's earlier half done, and what the neighbour
-    stage sends arrived."""
+def _source_stage(key: tuple[int, str, int], last_stage: int) -> int | None:
+    """The stage whose output an action takes: a forward the previous stage's, a backward (or its
+    input half) the next stage's gradient; None for the first forward, the last backward, W."""
+    stage, kind, _ = key
+    if kind == "F":
+        return stage - 1 if stage > 0 else None
+    if kind in "BI":
+        return stage + 1 if stage < last_stage else None
+    return None
+
+
+def _ready(key: tuple[int, str, int], ended: dict, last_stage: int) -> bool:
+    """Whether an action may start: its own stage's earlier half done, and the neighbour stage's
+    action it takes its input from ended."""
     stage, kind, mb = key
-
-    def arrived(k) -> bool:
-        return k in ended and ended[k] + send_s <= now + 1e-12
-
     if kind == "tail":
         return True
     if kind == "F":
-        return stage == 0 or arrived((stage - 1, "F", mb))
+        return stage == 0 or (stage - 1, "F", mb) in ended
     if kind in "BI":
-        downstream = stage == last_stage or arrived((stage + 1, "B", mb)) or arrived((stage + 1, "I", mb))
+        downstream = stage == last_stage or (stage + 1, "B", mb) in ended or (stage + 1, "I", mb) in ended
         return (stage, "F", mb) in ended and downstream
     return (stage, "I", mb) in ended  # W after its input half
