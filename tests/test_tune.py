@@ -664,6 +664,9 @@ def test_a_receive_starts_when_both_stages_are_ready_and_a_ranks_own_stage_sends
     # stages 1 and 2 on rank 1: stage 2 starts when stage 1 ends
     own = {0: [forward(0, 0, 1.0), tail], 1: [forward(1, 0, 1.0), forward(2, 0, 1.0), tail]}
     assert simulate_timed(own, 0.5, 1, CPU)[0][1][0] == pytest.approx(1.0 + 0.5 + 1.0 + 1.0)
+    twice = {0: [forward(0, 0, 1.0), tail], 1: [forward(0, 1, 1.0), tail]}
+    with pytest.raises(ValueError, match="stage 0 is on ranks 0 and 1"):
+        simulate_timed(twice, 0.5, 1, CPU)
 
 
 def test_points_that_train_on_different_batches_are_ranked_by_tokens_per_second():

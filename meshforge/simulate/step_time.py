@@ -20,12 +20,13 @@ model too small to keep the GPU busy is as fast as its host dispatches).
 Pipelines: every pp rank's actions in its schedule's order, each waiting for what it needs (the
 previous stage's forward, the next stage's backward); an input from another rank is then received,
 a send's time on the receiver's timeline from when both sides are ready (a rendezvous: the send
-does not start before its receive is posted): the makespan is the critical path, and the bubble is
-the idle share of it. Ranks that share CPU cores (the
-profile's `shared_cores`) run at the share of a core each gets while they run: a pipeline's idle
-ranks leave their cores to the others (processor sharing), and more ranks than cores each run
-slower still than their share (`sharing_slowdown`: context switches, caches refilled; calibrated),
-and an action with collectives waits, after its compute, for its group's last rank:
+does not start before its receive is posted; the sender's timeline goes on at once, its send is
+asynchronous): the makespan is the critical path, and the bubble is the idle share of it. Ranks
+that share CPU cores (the profile's `shared_cores`) run at the share of a core each gets while they
+run: a pipeline's idle ranks leave their cores to the others (processor sharing), and more ranks
+than cores each run slower still than their share (`sharing_slowdown`: context switches, caches
+refilled; calibrated), and an action with collectives waits, after its compute, for its group's
+last rank:
     wait     = min(arrival_skew[group] x the rank's computing wall time since its last collective,
                    arrival_skew_cap[group]).
 The step ends with every rank's reduction, its sync collectives (the gradient norm's and the
@@ -211,7 +212,13 @@ def simulate_timed(
     its last collective, at most its arrival_skew_cap. Per rank: (when it finished, when its
     schedule did), and its time busy in the schedule (receiving is not)."""
     last_stage = max(a.key[0] for acts in timelines.values() for a in acts)
-    home = {a.key[0]: r for r, acts in timelines.items() for a in acts if a.key != TAIL}
+    home: dict[int, int] = {}  # a stage -> the rank that runs it
+    for r, acts in timelines.items():
+        for a in acts:
+            if a.key != TAIL and home.setdefault(a.key[0], r) != r:
+                raise ValueError(
+                    f"stage {a.key[0]} is on ranks {home[a.key[0]]} and {r}: a stage has one rank"
+                )
     queues = {r: list(acts) for r, acts in timelines.items()}
     ended: dict[tuple[int, str, int], float] = {}  # an action -> when it ended
     running: dict[int, list] = {}  # rank -> [action, receive left, work left, wall left]
@@ -228,6 +235,10 @@ def simulate_timed(
             if r not in running and q and _ready(q[0].key, ended, last_stage):
                 a = q.pop(0)
                 source = _source_stage(a.key, last_stage)
+                if source is not None and source not in home:
+                    raise ValueError(
+                        f"stage {a.key[0]} takes its input from stage {source}, which no rank runs"
+                    )
                 receive = send_s if source is not None and home[source] != r else 0.0
                 running[r] = [a, receive, a.work, a.wall]
                 if receive <= 0 and a.work <= 0:
@@ -241,16 +252,16 @@ def simulate_timed(
         for r, state in list(running.items()):
             a = state[0]
             if state[1] > 0:  # receiving its input
-                state[1] = max(0.0, state[1] - dt)
-                if state[1] <= 1e-12 and state[2] <= 0:
+                state[1] = state[1] - dt if state[1] - dt > 1e-12 else 0.0
+                if state[1] == 0.0 and state[2] <= 0:
                     arrived(r, state)
                 continue
             if a.key != TAIL:
                 busy[r] += dt
             if state[2] > 0:
-                state[2] = max(0.0, state[2] - dt * rate)
+                state[2] = state[2] - dt * rate if state[2] - dt * rate > 1e-12 else 0.0
                 since_collective[r] += dt
-                if state[2] <= 1e-12:
+                if state[2] == 0.0:  # snapped to zero, so the group's wait is added once
                     arrived(r, state)
             else:
                 state[3] = max(0.0, state[3] - dt)

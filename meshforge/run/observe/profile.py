@@ -6,13 +6,15 @@ The split is read from the trace, as intervals on one timeline: the host thread 
 on CPU, the device's kernels on CUDA (where the host only enqueues them). Communication is the union
 of collective intervals (gloo/NCCL ops, c10d and functional collectives) that no compute interval
 covers. On CUDA the compute intervals are the kernels. On CPU they are the step thread's operators
-(`aten::`, less the collective waits a DTensor op holds): a gloo op's interval is its work's
-lifetime, and an asynchronous one (a pipeline's send, FSDP's all-gather) runs while the thread
-computes, so only the time the thread waits with it in flight is exposed (2026-12-06: a pp 2 GPipe
-step's sends spanned 300 of its 740 ms, and rank 0 read 342 ms of send/receive where it waited
-226). Pipeline send/receive, the wait for the neighbour stage (so the bubble with it), is its own
-part; data and optimizer are the trainer's named regions (`DATA`, `OPTIMIZER`); compute is the rest
-of the step's wall time (forward, backward, host work).
+(`aten::` and compiled graphs, less the collective waits a DTensor op holds). A gloo op's interval
+is its work's lifetime, and an asynchronous one (a pipeline's send, FSDP's all-gather) runs while
+the thread computes, so it counts only while it is in flight and the thread is outside its
+operators: waiting, or in Python and hooks, which read as communication while a collective is in
+flight (2026-12-06: a pp 2 GPipe step's sends spanned 300 of its 740 ms, and rank 0 read 342 ms of
+send/receive where it waited 226 outside operators). Pipeline send/receive, the wait for the
+neighbour stage (so the bubble with it), is its own part; data and optimizer are the trainer's named
+regions (`DATA`, `OPTIMIZER`); compute is the rest of the step's wall time (forward, backward, host
+work).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ PARTS = ("compute_s", "communication_s", "pipeline_p2p_s", "data_s", "optimizer_
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # record_param_comms is left out: it wraps point-to-point ops too (their own names say which they are)
 _COLLECTIVE_MARKS = ("c10d::", "gloo:", "nccl", "_c10d_functional::")
+# what the host computes in on CPU: eager operators and torch.compile's graphs (inductor's CPU
+# kernels are C++ called from the graph, with no aten:: event of their own)
+_OPERATOR_MARKS = ("aten::", "## Call CompiledFxGraph")
 
 
 def is_p2p(name: str) -> bool:
@@ -76,9 +81,9 @@ def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
 
 
 def host_compute(events: list[tuple], thread: int) -> list[tuple[float, float]]:
-    """When the step's thread runs an operator (`aten::`), less the collective waits an operator
-    holds (DTensor's redistribution inside its op): the CPU timeline's compute."""
-    ops = merged((a, b) for n, a, b, _, t in events if t == thread and n.startswith("aten::"))
+    """When the step's thread runs an operator (`aten::`, a compiled graph), less the collective
+    waits an operator holds (DTensor's redistribution inside its op): the CPU timeline's compute."""
+    ops = merged((a, b) for n, a, b, _, t in events if t == thread and n.startswith(_OPERATOR_MARKS))
     starts = [a for a, _ in ops]
     holes = []
     for n, a, b, _, t in events:
