@@ -30,8 +30,20 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
         return
     save = resolve_ops(cfg.op_save) if cfg.mode == "op" else None
     for layer_id, block in model.layers.items():
-        if cfg.mode in ("full", "op") or int(layer_id) % cfg.selective_every == 0:
+        if _checkpoints(layer_id, cfg):
             block.forward = _checkpointed(block.forward, save)
+
+
+def checkpointed_blocks(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
+    """How many of `model`'s blocks apply_ac wraps: each run of one pays checkpointing's host work
+    (its saved tensors' hooks, the recompute's set-up), which the step-time model prices per block."""
+    return sum(_checkpoints(layer_id, cfg) for layer_id in getattr(model, "layers", {}))
+
+
+def _checkpoints(layer_id: str, cfg: ActivationCheckpointConfig) -> bool:
+    if cfg.mode in ("none", "memory_budget"):
+        return False
+    return cfg.mode in ("full", "op") or int(layer_id) % cfg.selective_every == 0
 
 
 def resolve_ops(names: list[str]) -> set:

@@ -17,7 +17,13 @@ from meshforge.simulate.calibrate import _launch, calibrate, cost_under_load, lo
 from meshforge.simulate.core_sharing import counts_to_measure, measure_sharing
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import MAX_ARRIVAL_SKEW, MAX_ARRIVAL_SKEW_CAP_S, Link, Profile
-from meshforge.simulate.host_probes import dtensor_op_overhead, fsdp_unit_overhead, op_overhead, tiny_step
+from meshforge.simulate.host_probes import (
+    checkpoint_overhead,
+    dtensor_op_overhead,
+    fsdp_unit_overhead,
+    op_overhead,
+    tiny_step,
+)
 from meshforge.simulate.link_fit import fit_link
 from meshforge.simulate.op_costs import PhaseCost
 from meshforge.simulate.profile_toml import SHIPPED, load_profile, save_profile
@@ -118,6 +124,7 @@ def test_save_and_load_round_trip(tmp_path):
         op_overhead_s=12e-6,
         dtensor_op_overhead_s=40e-6,
         fsdp_unit_overhead_s=1.1e-3,
+        checkpoint_overhead_s=0.8e-3,
         sharing_slowdown={4: 1.08, 8: 1.2},
         arrival_skew={2: 0.09, 8: 0.32},
         arrival_skew_cap={2: 0.005, 8: 0.028},
@@ -217,24 +224,28 @@ def test_fit_leaves_out_a_timing_that_noise_moved(noise):
         fit_link(2, [(kind, n, 0.0) for kind, n, _ in timings])
 
 
-def _probe_host_costs() -> tuple[float, float, float, float]:
+def _probe_host_costs() -> tuple[float, ...]:
     """The host probes as calibrate runs them: a tiny Llama's step per op; the DTensor probe's local
-    ops priced at the plain layers' cost per op; the FSDP probe's units."""
+    ops priced at the plain layers' cost per op; the FSDP probe's units; the AC probe's blocks."""
     plain_op = op_overhead("cpu", tiny_step)
-    return op_overhead(), plain_op, dtensor_op_overhead(plain_op), fsdp_unit_overhead()
+    costs = op_overhead(), plain_op, dtensor_op_overhead(plain_op), fsdp_unit_overhead()
+    return (*costs, checkpoint_overhead())
 
 
-def test_a_dtensor_op_and_an_fsdp_unit_cost_the_host_more_than_a_local_op():
+def test_a_dtensor_op_an_fsdp_unit_and_a_checkpointed_block_cost_the_host_more_than_a_local_op():
     """The DTensor probe (a TP block's sharding propagation and redistribution on a fake 2-rank
-    mesh) and the FSDP probe (a tiny Llama wrapped as a run wraps it, on a fake 2-rank mesh) run, in
-    a process of their own as calibrate runs them (they set up a process group): a DTensor op costs
-    more than a plain op (its work is Python on top), and a unit's hooks per microbatch far more
-    (~150 ops' worth on this project's VM: unsharding, copies, resharding in Python)."""
+    mesh), the FSDP probe (a tiny Llama wrapped as a run wraps it, on a fake 2-rank mesh) and the
+    AC probe (the tiny Llama under full AC) run, in a process of their own as calibrate runs them
+    (they set up a process group): a DTensor op costs more than a plain op (its work is Python on
+    top), a unit's hooks per microbatch far more (~150 ops' worth on this project's VM: unsharding,
+    copies, resharding in Python), and so do a checkpointed block's (~110: every saved tensor
+    packed and unpacked in Python, twice), beyond the recompute's ops."""
     with trace_pool(1) as pool:
-        per_op, plain_op, per_dtensor_op, per_unit = pool.submit(_probe_host_costs).result()
+        per_op, plain_op, per_dtensor_op, per_unit, per_block = pool.submit(_probe_host_costs).result()
     assert 0 < plain_op < per_op < 1e-3  # a transformer's op brings module calls, views, autograd nodes
     assert per_dtensor_op > per_op
     assert 20 * per_op < per_unit < 0.1
+    assert 20 * per_op < per_block < 0.1
 
 
 def test_each_rate_is_the_fastest_of_its_rounds(monkeypatch):

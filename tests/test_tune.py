@@ -190,19 +190,30 @@ def test_each_forward_and_backward_counts_the_fsdp_units_it_runs(works):
     assert (fsdp["0:F0"]["fsdp_units"], fsdp["1:B0"]["fsdp_units"]) == (units, units) == (7, 7)
     assert all(fsdp[p]["fsdp_units"] == 0 for p in ("sync", "log", "optimizer") if p in fsdp)
     assert all(c["fsdp_units"] == 0 for name in ("one", "tp2") for c in works[name]["costs"].values())
+    # no AC in these: no block's checkpointing hooks
+    assert all(c["checkpointed_blocks"] == 0 for w in works.values() for c in w["costs"].values())
 
 
-def test_a_pipeline_stage_counts_its_own_fsdp_units():
+def test_a_pipeline_stage_counts_its_own_fsdp_units_and_checkpointed_blocks():
     """Under pp each stage's actions count that stage's units: stage 0 one block, the embeddings and
-    its root; stage 1 three blocks, norm + output and its root; once per microbatch each."""
-    recipe = debug("mesh.dp_shard=2", "mesh.pp=2", "pp.layers_per_stage=[1,3]", "train.global_batch_size=8")
+    its root; stage 1 three blocks, norm + output and its root; once per microbatch each. Under full
+    AC each forward and backward also counts the stage's blocks, each checkpointed."""
+    recipe = debug(
+        "mesh.dp_shard=2",
+        "mesh.pp=2",
+        "pp.layers_per_stage=[1,3]",
+        "train.global_batch_size=8",
+        "activation_checkpoint.mode=full",
+    )
     with trace_pool() as pool:
         first, last = (pool.submit(trace_rank, recipe, r) for r in (0, 2))  # pp is the outermost dim
         stages = {0: first.result()["work"], 1: last.result()["work"]}
-    for stage, want in ((0, 3), (1, 5)):
+    for stage, units, blocks in ((0, 3, 1), (1, 5, 3)):
         actions = stages[stage]["actions"]
-        counts = [stages[stage]["costs"][f"{i}:{k}{s}"]["fsdp_units"] for i, (s, k, _) in enumerate(actions)]
-        assert counts == [want] * len(actions) and len(actions) == 2 * recipe.pp.microbatches
+        costs = [stages[stage]["costs"][f"{i}:{k}{s}"] for i, (s, k, _) in enumerate(actions)]
+        assert [c["fsdp_units"] for c in costs] == [units] * len(actions)
+        assert [c["checkpointed_blocks"] for c in costs] == [blocks] * len(actions)
+        assert len(actions) == 2 * recipe.pp.microbatches
 
 
 def test_tp_collectives_are_blocking_on_the_tp_group(works):
@@ -328,7 +339,9 @@ def test_collectives_grow_in_count_or_in_bytes_with_depth():
 
 
 def test_a_deep_stage_extrapolates_to_its_full_trace_work():
-    recipe = debug("model.n_layers=12", "mesh.dp_shard=2", "train.global_batch_size=8")
+    recipe = debug(
+        "model.n_layers=12", "mesh.dp_shard=2", "train.global_batch_size=8", "activation_checkpoint.mode=full"
+    )
     with trace_pool() as pool:
         shallow = submit_trace(recipe, 0, pool, work=True)
         assert isinstance(shallow, Extrapolated)  # 12 layers: traced at 4 and 5, extrapolated
@@ -337,7 +350,16 @@ def test_a_deep_stage_extrapolates_to_its_full_trace_work():
     assert grown.keys() == full.keys()
     assert any(c["attention_flops"] for c in full.values())
     for phase, cost in full.items():
-        for key in ("flops", "attention_flops", "memory_bytes", "ops", "dtensor_ops", "fsdp_units"):
+        keys = (
+            "flops",
+            "attention_flops",
+            "memory_bytes",
+            "ops",
+            "dtensor_ops",
+            "fsdp_units",
+            "checkpointed_blocks",
+        )
+        for key in keys:
             assert grown[phase][key] == pytest.approx(cost[key], rel=1e-12), (phase, key)
         want = {tuple(c[:-1]): c[-1] for c in cost["collectives"]}
         got = {tuple(c[:-1]): c[-1] for c in grown[phase]["collectives"] if c[-1]}
@@ -454,15 +476,17 @@ def test_a_profile_names_what_it_does_not_price():
     old = dataclasses.replace(CPU, shared_cores=2, calibrated_world=8)
     assert old.unpriced(8) == [
         "FSDP's hooks per unit (fsdp_unit_overhead_s)",
+        "checkpointing's hooks per block (checkpoint_overhead_s)",
         "what ranks sharing the cores lose beyond their share (sharing_slowdown)",
         "a collective's wait for its group's last rank (arrival_skew)",
         "the share of the probes' rates a model's step reaches (model_rate_share)",
     ]
-    assert len(old.unpriced(2)) == 3  # 2 ranks on 2 cores: no slowdown to share, a pair's wait still
-    assert len(old.unpriced(1)) == 2  # one rank: no collective
+    assert len(old.unpriced(2)) == 4  # 2 ranks on 2 cores: no slowdown to share, a pair's wait still
+    assert len(old.unpriced(1)) == 3  # one rank: no collective
     new = dataclasses.replace(
         old,
         fsdp_unit_overhead_s=1e-3,
+        checkpoint_overhead_s=8e-4,
         sharing_slowdown={4: 1.1, 8: 1.15},
         model_rate_share=0.8,
         arrival_skew={2: 0.05, 4: 0.2, 8: 0.3},
@@ -470,7 +494,10 @@ def test_a_profile_names_what_it_does_not_price():
     assert new.unpriced(8) == ["the most that wait grows to (arrival_skew_cap): it grows without bound"]
     new = dataclasses.replace(new, arrival_skew_cap={2: 0.005, 4: 0.03, 8: 0.03})
     assert new.unpriced(8) == []
-    assert load_profile("h100").unpriced(8) == ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
+    assert load_profile("h100").unpriced(8) == [
+        "FSDP's hooks per unit (fsdp_unit_overhead_s)",
+        "checkpointing's hooks per block (checkpoint_overhead_s)",
+    ]
     # refined by measured runs: their fitted rates took the model's share in (no share to measure)
     refined = dataclasses.replace(new, model_rate_share=1.0, source="vm\nrefined by 25 measured runs")
     assert refined.unpriced(8) == []
@@ -502,18 +529,25 @@ def test_a_prediction_prices_flops_bytes_ops_and_links():
         "ops": 1000,
         "dtensor_ops": 500,
         "fsdp_units": 8,
+        "checkpointed_blocks": 4,
         "collectives": [["all_reduce", int(1e9), (0, 1), False, 1]],
     }
     work = {"costs": {"0:F0": cost, "1:B0": cost}, "actions": [(0, "F", 0), (0, "B", 0)], "boundary_bytes": 0}
     # CPU ranks (cores shared, enough of them): the host's work adds to the device's
     profile = dataclasses.replace(
-        CPU, shared_cores=2, op_overhead_s=1e-3, dtensor_op_overhead_s=2e-3, fsdp_unit_overhead_s=0.5
+        CPU,
+        shared_cores=2,
+        op_overhead_s=1e-3,
+        dtensor_op_overhead_s=2e-3,
+        fsdp_unit_overhead_s=0.5,
+        checkpoint_overhead_s=0.25,
     )
     p = predict_step({0: work}, ParallelDims(dp_shard=2), 1, profile)
     # per phase: 2 s of matmuls + 1 s of memory + 1 s of ops + 1 s of DTensor dispatch + half of
-    # 8 units' hooks (a forward's or a backward's: 2 s), and an all-reduce of 1 GB on 2 ranks: 1 s
-    assert p.step_s == pytest.approx(2 * (7 + 1))
-    assert p.compute_s == pytest.approx(14) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
+    # 8 units' hooks (a forward's or a backward's: 2 s) + half of 4 checkpointed blocks' (0.5 s),
+    # and an all-reduce of 1 GB on 2 ranks: 1 s
+    assert p.step_s == pytest.approx(2 * (7.5 + 1))
+    assert p.compute_s == pytest.approx(15) and p.exposed_comm_s == pytest.approx(2) and p.bubble == 0
     assert p.host_s == 0  # in compute: a CPU rank's host is its device
 
 
@@ -855,6 +889,7 @@ def test_the_tunes_calibration_measured_plausible_numbers(tuned, tmp_path):
     assert sorted(profile.attention_flops) == ["bfloat16", "float32"]
     assert 0.05 < profile.attention_rate("float32") / profile.matmul_rate("float32") < 2
     assert profile.memory_Bps > 0 and 0 < profile.op_overhead_s < profile.fsdp_unit_overhead_s < 0.1
+    assert profile.op_overhead_s < profile.checkpoint_overhead_s < 0.1 and "per checkpointed block" in stdout
     # 2 ranks on this machine's cores: sharing measured only where they outnumber the cores
     assert set(profile.sharing_slowdown) == set(counts_to_measure(2, 1, profile.shared_cores))
     assert 0.3 < profile.model_rate_share < 1.2 and profile.unpriced(2) == []

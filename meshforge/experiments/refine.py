@@ -74,6 +74,7 @@ def scaled(profile: Profile, factors: dict[str, float]) -> Profile:
         op_overhead_s=profile.op_overhead_s * factors["op_host"],
         dtensor_op_overhead_s=profile.dtensor_op_overhead_s * factors["dtensor_host"],
         fsdp_unit_overhead_s=profile.fsdp_unit_overhead_s * factors["op_host"],  # the host's Python, as ops
+        checkpoint_overhead_s=profile.checkpoint_overhead_s * factors["op_host"],
         links={n: link(k) for n, k in profile.links.items()},
         kind_links={kind: {n: link(k) for n, k in ls.items()} for kind, ls in profile.kind_links.items()},
         inter_node=link(profile.inter_node) if profile.inter_node else None,

@@ -40,6 +40,7 @@ from meshforge.simulate.core_sharing import group_sizes, measure_sharing
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.host_probes import (
     WARMUP,
+    checkpoint_overhead,
     dtensor_op_overhead,
     fsdp_unit_overhead,
     op_overhead,
@@ -102,6 +103,7 @@ def calibrate(
         op_overhead_s=rates["op_overhead_s"],
         dtensor_op_overhead_s=rates["dtensor_op_overhead_s"],
         fsdp_unit_overhead_s=rates["fsdp_unit_overhead_s"],
+        checkpoint_overhead_s=rates["checkpoint_overhead_s"],
         model_rate_share=rates["model_rate_share"],
         peak_flops=rates["peak_flops"],
         kind_links=kind_links,
@@ -229,8 +231,8 @@ def _least(probe: Callable[..., float], *args) -> float:
 
 def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str) -> None:
     """One rank alone (with `threads` threads on a CPU; or one GPU): matmul and attention FLOP/s per
-    dtype, memory-bound bytes/s (rate_probes.py), the host's work per op, per DTensor op and per
-    FSDP unit."""
+    dtype, memory-bound bytes/s (rate_probes.py), the host's work per op, per DTensor op, per
+    FSDP unit and per checkpointed block."""
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device, PROBE_ROUNDS)
@@ -240,6 +242,7 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     plain_op = _least(op_overhead, "cpu", tiny_step)
     result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, plain_op)
     result["fsdp_unit_overhead_s"] = _least(fsdp_unit_overhead)  # FSDP2's hooks: the host's, too
+    result["checkpoint_overhead_s"] = _least(checkpoint_overhead)  # checkpointing's hooks, as FSDP's
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}

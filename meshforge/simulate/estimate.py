@@ -99,6 +99,7 @@ def extrapolate_work(low: dict, high: dict, periods: float) -> dict:
             "ops": line(lo["ops"], hi["ops"]),
             "dtensor_ops": line(lo.get("dtensor_ops", 0), hi.get("dtensor_ops", 0)),
             "fsdp_units": line(lo.get("fsdp_units", 0), hi.get("fsdp_units", 0)),
+            "checkpointed_blocks": line(lo.get("checkpointed_blocks", 0), hi.get("checkpointed_blocks", 0)),
             "collectives": _grow_collectives(lo["collectives"], hi["collectives"], line),
         }
     return {**high, "costs": costs}

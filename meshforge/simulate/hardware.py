@@ -63,6 +63,9 @@ class Profile:
     # host cost of one FSDP unit's hooks per microbatch, its forward and backward together, beyond
     # the ops they dispatch (unsharding, copy-in, resharding, reduce-scatter bookkeeping in Python)
     fsdp_unit_overhead_s: float = 0.0
+    # host cost of one checkpointed block per microbatch, forward and backward together, beyond its
+    # ops and the recompute's (the saved tensors' pack and unpack hooks in Python)
+    checkpoint_overhead_s: float = 0.0
     peak_flops: dict[str, float] = field(default_factory=dict)  # compute dtype -> the peak MFU is against
     device_memory_gib: float = 0.0  # what fits (0: not judged, as on CPU ranks sharing host memory)
     # collective kind -> group size -> its own link, where one kind runs slower than the shared fit
@@ -121,6 +124,8 @@ class Profile:
         profile calibrated before these were measured, a shipped GPU profile), to be said where it
         predicts. A refined profile's fitted rates have taken the model's share in already."""
         missing = [] if self.fsdp_unit_overhead_s else ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
+        if not self.checkpoint_overhead_s:
+            missing.append("checkpointing's hooks per block (checkpoint_overhead_s)")
         shared = world * self.cores_per_rank > self.shared_cores
         if self.shared_cores and shared and not self.sharing_slowdown:
             missing.append("what ranks sharing the cores lose beyond their share (sharing_slowdown)")

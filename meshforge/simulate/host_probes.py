@@ -1,7 +1,8 @@
 """The host's work per op, timed on models too small for their arithmetic to count: what
-`meshforge tune --calibrate` prices each op (each op on DTensors, each FSDP unit's hooks) of a
-traced step at; the median timing both it and calibrate.py's rates use; and a Llama's step timed
-with what CostRecorder counts in it (rate_probes' reference Llama is stepped by it too)."""
+`meshforge tune --calibrate` prices each op (each op on DTensors, each FSDP unit's and each
+checkpointed block's hooks) of a traced step at; the median timing both it and calibrate.py's
+rates use; and a Llama's step timed with what CostRecorder counts in it (rate_probes' reference
+Llama is stepped by it too)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from meshforge.configs.schema import FSDPConfig
+from meshforge.configs.schema import ActivationCheckpointConfig, FSDPConfig
 from meshforge.models.llama import LlamaArgs, Transformer
+from meshforge.parallelisms.ac import apply_ac, checkpointed_blocks
 from meshforge.parallelisms.fsdp import apply_fsdp, fsdp_units
 from meshforge.simulate.op_costs import CostRecorder, PhaseCost
 
@@ -154,6 +156,25 @@ def fsdp_unit_overhead() -> float:
     finally:
         dist.destroy_process_group()
     return max(0.0, sharded - sharded_cost.ops * per_op) / fsdp_units(model)
+
+
+def checkpoint_overhead() -> float:
+    """Seconds of host work per checkpointed block per microbatch (its forward and backward) beyond
+    the ops it dispatches, the recompute's included: torch's non-reentrant checkpoint packs and
+    unpacks every tensor the block saves through Python hooks, twice (forward, recompute) with a
+    metadata check. The tiny Llama's step with every block checkpointed as a run checkpoints them
+    (mode full), against the same step without, timed just before: the difference, less the
+    recompute's ops at the plain step's cost per op, over the blocks. ~0.8 ms a block on this
+    project's 2-core VM (~110 ops' worth; ~1/3 of it in the forward), which made full AC's
+    measured cost 1.5-5x what the ops alone predicted (2026-12-06). A dense Llama block's: a
+    block that saves more tensors (an MoE block) pays more."""
+    seconds, cost = seconds_and_cost(tiny_llama_step())
+    per_op = seconds / cost.ops
+    model, tokens = _tiny_llama()
+    full = ActivationCheckpointConfig(mode="full")
+    apply_ac(model, full)
+    checkpointed, checkpointed_cost = seconds_and_cost(llama_step(model, tokens))
+    return max(0.0, checkpointed - checkpointed_cost.ops * per_op) / checkpointed_blocks(model, full)
 
 
 class _TPStack(torch.nn.Module):

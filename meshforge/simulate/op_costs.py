@@ -113,6 +113,8 @@ class PhaseCost:
     dtensor_ops: int = 0  # ops on DTensors: DTensor's sharding and redistribution logic, per op, on the host
     # FSDP units' forwards (in a forward phase) or backwards (in a backward): their hooks' host work
     fsdp_units: int = 0
+    # checkpointed blocks run (forward, or backward with its recompute): their hooks' host work
+    checkpointed_blocks: int = 0
     # (kind, bytes, group ranks, overlapped) -> count
     collectives: Counter = dataclasses.field(default_factory=Counter)
 
@@ -124,6 +126,7 @@ class PhaseCost:
             "ops": self.ops,
             "dtensor_ops": self.dtensor_ops,
             "fsdp_units": self.fsdp_units,
+            "checkpointed_blocks": self.checkpointed_blocks,
             "collectives": [[*key, n] for key, n in self.collectives.items()],
         }
 

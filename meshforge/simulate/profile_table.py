@@ -48,6 +48,12 @@ def profile_table(profile: Profile, errors: dict[int, float], points: int) -> Ta
         "its hooks per microbatch, forward and backward (a tiny Llama fully_shard-ed on a fake "
         "2-rank mesh), beyond their ops",
     )
+    table.add_row(
+        "per checkpointed block",
+        f"{profile.checkpoint_overhead_s * 1e3:.2f} ms",
+        "its hooks per microbatch, forward and backward (a tiny Llama under full AC), beyond its ops "
+        "and the recompute's",
+    )
     if not gpu:
         table.add_row(
             "model rate share",

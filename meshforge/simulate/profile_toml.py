@@ -59,6 +59,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         "op_overhead_s": profile.op_overhead_s,
         "dtensor_op_overhead_s": profile.dtensor_op_overhead_s,
         "fsdp_unit_overhead_s": profile.fsdp_unit_overhead_s,
+        "checkpoint_overhead_s": profile.checkpoint_overhead_s,
         "model_rate_share": profile.model_rate_share,
         "device_memory_gib": profile.device_memory_gib,
         "memory_Bps": profile.memory_Bps,
@@ -128,6 +129,7 @@ SCALARS = {
     "op_overhead_s": (False, _non_negative),
     "dtensor_op_overhead_s": (False, _non_negative),
     "fsdp_unit_overhead_s": (False, _non_negative),
+    "checkpoint_overhead_s": (False, _non_negative),
     "model_rate_share": (False, _share),
     "device_memory_gib": (False, _non_negative),
 }
@@ -246,6 +248,7 @@ def profile_from_dict(data: dict, source: str) -> Profile:
         op_overhead_s=float(data.get("op_overhead_s", 0.0)),
         dtensor_op_overhead_s=float(data.get("dtensor_op_overhead_s", 0.0)),
         fsdp_unit_overhead_s=float(data.get("fsdp_unit_overhead_s", 0.0)),
+        checkpoint_overhead_s=float(data.get("checkpoint_overhead_s", 0.0)),
         model_rate_share=float(data.get("model_rate_share", 1.0)),
         peak_flops={dtype: float(rate) for dtype, rate in peaks.items()},
         attention_flops={dtype: float(rate) for dtype, rate in attention.items()},

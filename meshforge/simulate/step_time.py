@@ -9,6 +9,7 @@ step waits on before its update (`sync`), the optimizer):
                + ops x host cost per op
                + DTensor ops x DTensor's host cost per op
                + FSDP units run x half a unit's host cost per microbatch (its hooks)
+               + checkpointed blocks run x half a block's host cost per microbatch (its hooks)
     comm     = sum over collectives of latency + bytes x factor / bandwidth (of its group's link)
     time     = blocking comm + max(compute, FSDP comm)       on a GPU (FSDP prefetches its
                                                               all-gathers, reduce-scatters behind)
@@ -68,8 +69,10 @@ def phase_time(cost: dict, profile: Profile, overlap: bool) -> PhaseTime:
     host = (
         cost["ops"] * profile.op_overhead_s
         + cost.get("dtensor_ops", 0) * profile.dtensor_op_overhead_s
-        # a unit's forward or backward: half its hooks' cost (measured ~1/3 and ~2/3; a step has both)
+        # a unit's (a checkpointed block's) forward or backward: half its hooks' cost (measured
+        # ~1/3 and ~2/3 for both; a step has both)
         + cost.get("fsdp_units", 0) * profile.fsdp_unit_overhead_s / 2
+        + cost.get("checkpointed_blocks", 0) * profile.checkpoint_overhead_s / 2
     )
     memory = cost["memory_bytes"] / profile.memory_Bps / share
     compute = matmul + attention + memory + (0.0 if overlap else host)
@@ -252,14 +255,14 @@ def simulate_timed(
         for r, state in list(running.items()):
             a = state[0]
             if state[1] > 0:  # receiving its input
-                state[1] = state[1] - dt if state[1] - dt > 1e-12 else 0.0
+                state[1] = _spend(state[1], dt)
                 if state[1] == 0.0 and state[2] <= 0:
                     arrived(r, state)
                 continue
             if a.key != TAIL:
                 busy[r] += dt
             if state[2] > 0:
-                state[2] = state[2] - dt * rate if state[2] - dt * rate > 1e-12 else 0.0
+                state[2] = _spend(state[2], dt * rate)
                 since_collective[r] += dt
                 if state[2] == 0.0:  # snapped to zero, so the group's wait is added once
                     arrived(r, state)
@@ -270,6 +273,12 @@ def simulate_timed(
                 ended[a.key] = now
                 ends[r] = (now, ends.get(r, (0.0, now))[1] if a.key == TAIL else now)
     return ends, busy
+
+
+def _spend(left: float, spent: float) -> float:
+    """What is left of a receive or of work after `spent`: a float remainder below 1e-12 is none,
+    so the action that ends this instant is seen to end (and its group's wait is added once)."""
+    return left - spent if left - spent > 1e-12 else 0.0
 
 
 def _source_stage(key: tuple[int, str, int], last_stage: int) -> int | None:

@@ -21,6 +21,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config
 from meshforge.models.moe import has_experts
 from meshforge.parallelisms import to_empty
+from meshforge.parallelisms.ac import checkpointed_blocks
 from meshforge.parallelisms.cp import forget_cached_tensors
 from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, fsdp_units, quiet_embedding_view_warning
 from meshforge.parallelisms.pp import build_schedule
@@ -76,7 +77,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
         ):
             _run_actions(recipe, dims, pmodel, actions, tracker)
             if work:
-                _count_fsdp_units(recorder, pmodel, actions)
+                _count_hooked_units(recorder, pmodel, actions, ac)
             tracker.phase = "reduce"
             for stage in stages:
                 stage.perform_reduce_grad(1)  # the schedule's final gradient reduction (FSDP)
@@ -249,14 +250,18 @@ def _rank_actions(recipe: Recipe, dims, meshes, pmodel, rank: int) -> tuple[list
     return [a for a in map(parse_action, mine) if a is not None], stages
 
 
-def _count_fsdp_units(recorder: CostRecorder, pmodel, actions: list[tuple[int, str, int]]) -> None:
-    """Each forward and backward of a stage runs the hooks of every FSDP unit in it once (its
-    blocks, embeddings, norm + output, the stage's root, an MoE block's experts): their host work,
-    priced per unit."""
+def _count_hooked_units(recorder: CostRecorder, pmodel, actions: list[tuple[int, str, int]], ac) -> None:
+    """Each forward and backward of a stage runs, once each, the hooks of every FSDP unit in it
+    (its blocks, embeddings, norm + output, the stage's root, an MoE block's experts) and those of
+    every block it checkpoints (`ac`: the saved tensors' pack and unpack, the recompute's set-up):
+    their host work, priced per unit and per block."""
     units = {stage: fsdp_units(part) for stage, part in zip(pmodel.stage_ids, pmodel.parts)}
+    blocks = {stage: checkpointed_blocks(part, ac) for stage, part in zip(pmodel.stage_ids, pmodel.parts)}
     for i, (stage, kind, _) in enumerate(actions):
-        if kind in "FBI" and units[stage]:  # W: the weight-gradient half, hooked with its input half
-            recorder.phases[f"{i}:{kind}{stage}"].fsdp_units += units[stage]
+        if kind in "FBI" and (units[stage] or blocks[stage]):  # W: hooked with its input half (I)
+            phase = recorder.phases[f"{i}:{kind}{stage}"]
+            phase.fsdp_units += units[stage]
+            phase.checkpointed_blocks += blocks[stage]
 
 
 def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
