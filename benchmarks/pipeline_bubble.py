@@ -6,7 +6,8 @@ thread each, so 2 ranks use this machine's 2 cores without contention) against t
 model and batch on one rank: with no bubble and free communication, the pipelined step
 would take T1 / pp, so the measured bubble is 1 - (T1 / pp) / T_pp. Steady steps only
 (the first two pay for warm-up), the median of 22 (24 steps a run; until 2026-12-04, 8 steps and
-the median of 6, which moved with the run by 3%). Communication (gloo over loopback)
+the median of 6, which moved with the run by 3%); every launch in 3 passes, the mean of theirs
+(until 2026-12-06 one: a launch's bubble moved by 4 points between runs). Communication (gloo over loopback)
 and unequal stage costs (embedding, output head) count as bubble here, as they do for a user.
 
     python benchmarks/pipeline_bubble.py                         # writes benchmarks/results/
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,37 +78,55 @@ def step_time(out: Path, name: str, overrides: list[str], steps: int) -> float:
     return sorted(r["step_time"] for r in steady)[len(steady) // 2]  # median: robust to a noisy step
 
 
-def measure(pp: int, microbatches: int, schedules: list[str], steps: int, overrides: list[str]) -> dict:
-    rows = []
+def measure(
+    pp: int, microbatches: int, schedules: list[str], steps: int, overrides: list[str], passes: int = 1
+) -> dict:
+    """Every launch `passes` times, a whole pass (one rank, then each schedule) after another, each
+    step the mean of its passes: the same launch read GPipe's bubble 27.7% and 32.0% hours apart
+    (2026-12-06), more than its gap to 1F1B, whose two readings crossed it."""
+    times: dict[str, list[float]] = {}
+    pipelined = {
+        name: [
+            f"mesh.pp={pp}",
+            f"pp.schedule={name}",
+            f"pp.microbatches={microbatches}",
+            f"pp.stages_per_rank={SCHEDULES[name]}",
+            *overrides,
+        ]
+        for name in schedules
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        t1 = step_time(Path(tmp), "pp1", ["mesh.pp=1", *overrides], steps)
-        for name in schedules:
-            pp_over = [
-                f"mesh.pp={pp}",
-                f"pp.schedule={name}",
-                f"pp.microbatches={microbatches}",
-                f"pp.stages_per_rank={SCHEDULES[name]}",
-                *overrides,
-            ]
-            order = recipe_schedule_order(load_recipe("debug_cpu", [*COMMON, *MODEL, *pp_over]))
-            t_pp = step_time(Path(tmp), name, pp_over, steps)
-            measured = 1 - (t1 / pp) / t_pp
-            rows.append(
-                {
-                    "schedule": name,
-                    "stages_per_rank": SCHEDULES[name],
-                    "theory": bubble_fraction(order),
-                    "measured": measured,
-                    "step_time_s": t_pp,
-                    "gap": measured - bubble_fraction(order),
-                }
-            )
+        for k in range(passes):
+            launches = {"pp1": ["mesh.pp=1", *overrides], **pipelined}
+            for name, launch_overrides in launches.items():
+                times.setdefault(name, []).append(
+                    step_time(Path(tmp), f"{name}.{k}", launch_overrides, steps)
+                )
+    t1 = statistics.mean(times["pp1"])
+    rows = []
+    for name, pp_over in pipelined.items():
+        order = recipe_schedule_order(load_recipe("debug_cpu", [*COMMON, *MODEL, *pp_over]))
+        t_pp = statistics.mean(times[name])
+        measured = 1 - (t1 / pp) / t_pp
+        rows.append(
+            {
+                "schedule": name,
+                "stages_per_rank": SCHEDULES[name],
+                "theory": bubble_fraction(order),
+                "measured": measured,
+                "step_time_s": t_pp,
+                "gap": measured - bubble_fraction(order),
+                # each pass's own bubble (its one-rank step and this schedule's)
+                "measured_per_pass": [1 - (a / pp) / b for a, b in zip(times["pp1"], times[name])],
+            }
+        )
     return {
         "benchmark": "pipeline_bubble",
         "pp": pp,
         "microbatches": microbatches,
         "one_rank_step_time_s": t1,
         "steps": steps,
+        "passes": passes,
         "rows": rows,
         "model_overrides": MODEL + overrides,
         **provenance(),
@@ -119,17 +139,19 @@ def write(result: dict, out: Path) -> None:
         "",
         f"{result['date']}, {result['machine']['platform']}, torch {result['versions']['torch']}; "
         f"pp={result['pp']}, {result['microbatches']} microbatches, {result.get('steps', 8)} steps a run "
-        "(the median of the steady ones), one CPU thread per rank; model "
+        f"(the median of the steady ones), {result.get('passes', 1)} pass(es) of every launch (the "
+        "mean of theirs), one CPU thread per rank; model "
         f"{' '.join(result['model_overrides'])}. One-rank step {result['one_rank_step_time_s']:.3f} s. "
         "Measured bubble = 1 - (T1/pp) / T_pp (communication and unequal stages count as bubble).",
         "",
-        "| schedule | stages/rank | theory | measured | gap | step s |",
-        "|---|---|---|---|---|---|",
+        "| schedule | stages/rank | theory | measured | gap | step s | measured per pass |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        per_pass = ", ".join(f"{b:.1%}" for b in r.get("measured_per_pass", []))
         lines.append(
             f"| {r['schedule']} | {r['stages_per_rank']} | {r['theory']:.1%} | {r['measured']:.1%} | "
-            f"{r['gap']:+.1%} | {r['step_time_s']:.3f} |"
+            f"{r['gap']:+.1%} | {r['step_time_s']:.3f} | {per_pass} |"
         )
     save(out, "pipeline_bubble", result, lines)
 
@@ -140,10 +162,11 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--passes", type=int, default=3, help="measure every launch this many times (the mean)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("overrides", nargs="*", help="recipe overrides applied to every launch")
     args = p.parse_args()
-    result = measure(args.pp, args.microbatches, args.schedules, args.steps, args.overrides)
+    result = measure(args.pp, args.microbatches, args.schedules, args.steps, args.overrides, args.passes)
     write(result, Path(args.out))
     print(
         json.dumps(

@@ -2,7 +2,10 @@
 
 Each recipe is tuned with every point confirmed (`--top` all): its layouts crossed with the axes
 given, predicted with a profile measured only by `--calibrate` (no layout's run is used to fit),
-then each point runs `--steps` steps and its steady step time is read as `compare` reads it. Per
+then each point runs `--steps` steps and its steady step time is read as `compare` reads it; with
+`--passes N` every point is measured N times, a whole pass after another, and judged against the
+mean (8 ranks on 2 cores read a launch up to tens of % apart from the same launch later: the
+passes' spread is reported, the floor under any model's error). Per
 recipe: median and worst |error|, Kendall's tau between predicted and measured order, and how far
 the predicted best is from the measured best (order and best by tokens/s: llm_1b's layouts train
 on different global batches, its micro batch fixed, so a shorter step is not a faster layout);
@@ -11,7 +14,7 @@ other recipes' runs only. Also the pipeline bubble predicted for each schedule o
 benchmarks/pipeline_bubble.py (its model and batch, 1 thread per rank), against its recorded
 measurement.
 
-    python benchmarks/tune_accuracy.py --profile P.toml             # writes benchmarks/results/
+    python benchmarks/tune_accuracy.py --profile P.toml --passes 2  # writes benchmarks/results/
     python benchmarks/tune_accuracy.py --profile P.toml --recipes debug_cpu --only dp8,dp4-tp2 --out /tmp/t
 """
 
@@ -69,17 +72,6 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / len(pairs) if pairs else float("nan")
 
 
-def accuracy(rows: list[dict]) -> dict:
-    """The accuracy of a tune's measured points (tune.jsonl rows)."""
-    measured = [r for r in rows if r.get("measured", {}).get("step_time")]
-    return accuracy_of(
-        [r["label"] for r in measured],
-        [r["predicted"]["step_s"] for r in measured],
-        [r["measured"]["step_time"] for r in measured],
-        [r["predicted"]["tokens_per_step"] for r in measured],
-    )
-
-
 def accuracy_of(labels: list[str], pred: list[float], real: list[float], tokens: list[int]) -> dict:
     """Errors of the step times; order and best by tokens/s (tokens per step over the step)."""
     errors = [p / m - 1 for p, m in zip(pred, real)]
@@ -101,21 +93,24 @@ def accuracy_of(labels: list[str], pred: list[float], real: list[float], tokens:
     }
 
 
-def cross_refined(profile, folders: dict[str, Path], console: Console) -> dict[str, dict]:
+def cross_refined(
+    profile, folders: dict[str, list[Path]], steps: dict[str, dict[str, float]], console: Console
+) -> dict[str, dict]:
     """Each recipe's points predicted by the profile refined on the *other* recipes' measured runs
-    (`meshforge tune --calibrate-from`): none of its own runs is used to fit."""
+    (`meshforge tune --calibrate-from` their first pass, as a user refines from one sweep): none of
+    its own runs is used to fit. Judged, as unrefined, against the mean of its passes (`steps`)."""
     out = {}
-    for name, folder in folders.items():
-        others = [f for n, f in folders.items() if n != name]
+    for name, passes in folders.items():
+        others = [f[0] for n, f in folders.items() if n != name]
         refined = refine(profile, others, console)
-        runs = measured_runs([folder], console)
+        runs = [r for r in measured_runs([passes[0]], console) if r.name.split("/")[-1] in steps[name]]
         out[name] = {
             "refined_from": [n for n in folders if n != name],
             "profile": refined.source.splitlines()[-1],
             **accuracy_of(
                 [r.name.split("/")[-1] for r in runs],
                 [r.predict(refined) for r in runs],
-                [r.step_s for r in runs],
+                [steps[name][r.name.split("/")[-1]] for r in runs],
                 [r.tokens_per_step for r in runs],
             ),
         }
@@ -158,6 +153,13 @@ def main() -> None:
     p.add_argument("--axis", action="append", default=[], metavar="KEY=V1,V2")
     p.add_argument("--only", default=None, help="layouts to run, comma-separated (default: all)")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="measure every point this many times, one pass after another, and judge the model "
+        "against their mean (the record: 2)",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument(
         "--keep", default=None, help="keep the tunes' run folders here (default: a temporary folder)"
@@ -169,51 +171,113 @@ def main() -> None:
     started = provenance()  # the commit the predictions import, whatever changes during the runs
     result = {"benchmark": "tune_accuracy", "profile": profile.source, "world": args.world, "axes": axes}
     result["profile_values"] = dataclasses.asdict(profile)  # what predicted, to price again later
-    folders = {}
+    folders: dict[str, list[Path]] = {}  # recipe -> its passes' tune folders
+    means: dict[str, dict[str, float]] = {}  # recipe -> point -> its mean step over the passes
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.keep or tmp
         for name in args.recipes.split(","):
             overrides = [*RECIPES[name], *QUIET, f"sweep.steps={args.steps}", "sweep.timeout_s=900"]
             if args.only:
                 overrides.append(f"sweep.only=[{args.only}]")
-            folder = folders[name] = Path(tmp) / name
-            if (folder / "tune.jsonl").is_file():  # reused: predicted again with this profile and code
-                console.print(f"{name}: reusing the measured tune in {folder}")
-                runs = measured_runs([folder], console)
-                labels = [r.name.split("/")[-1] for r in runs]
-                result[name] = accuracy_of(
+            passes = folders[name] = [Path(tmp) / f"{name}{_pass_suffix(k)}" for k in range(args.passes)]
+            reused = [(folder / "tune.jsonl").is_file() for folder in passes]
+            for folder, old in zip(passes, reused):
+                if old:  # a tune measured before: its points predicted again with this profile and code
+                    console.print(f"{name}: reusing the measured tune in {folder}")
+                else:
+                    tune(
+                        str(resolve_recipe_path(name)),
+                        overrides,
+                        args.world,
+                        profile,
+                        axes,
+                        10**6,
+                        False,
+                        folder,
+                        console,
+                    )
+            if reused[0]:
+                runs = measured_runs([passes[0]], console)
+                point = {r.name.split("/")[-1]: (r.predict(profile), r.tokens_per_step) for r in runs}
+            else:
+                rows = [json.loads(line) for line in (passes[0] / "tune.jsonl").read_text().splitlines()]
+                point = {
+                    r["label"]: (r["predicted"]["step_s"], r["predicted"]["tokens_per_step"])
+                    for r in rows
+                    if r.get("predicted")
+                }
+            steps = means[name] = mean_steps(passes)
+            labels = [label for label in point if label in steps]
+            result[name] = {
+                **accuracy_of(
                     labels,
-                    [r.predict(profile) for r in runs],
-                    [r.step_s for r in runs],
-                    [r.tokens_per_step for r in runs],
-                )
-                result[name]["measured_at"] = _measured_at(folder)
-                continue
-            tune(
-                str(resolve_recipe_path(name)),
-                overrides,
-                args.world,
-                profile,
-                axes,
-                10**6,
-                False,
-                folder,
-                console,
-            )
-            rows = [json.loads(line) for line in (folder / "tune.jsonl").read_text().splitlines()]
-            result[name] = accuracy(rows)
+                    [point[label][0] for label in labels],
+                    [steps[label] for label in labels],
+                    [point[label][1] for label in labels],
+                ),
+                "reused": reused[0],
+                "measured_at": [_measured_at(folder) for folder in passes],
+                **({"pass_spread": pass_spread(passes)} if len(passes) > 1 else {}),
+            }
         if len(folders) > 1:
-            for name, refined in cross_refined(profile, folders, console).items():
+            for name, refined in cross_refined(profile, folders, means, console).items():
                 result[name]["refined"] = refined
     if args.bubble_profile:
         result["bubbles"] = bubbles(args.bubble_profile)
     write({**result, **started}, Path(args.out))
 
 
+def _pass_suffix(k: int) -> str:
+    """The folder suffix of pass k (from 0): none for the first, so a one-pass tune is where it was."""
+    return f".pass{k + 1}" if k else ""
+
+
+def measured_steps(folder: Path) -> dict[str, float]:
+    """A tune's measured steady step time per point (tune.jsonl)."""
+    rows = [json.loads(line) for line in (folder / "tune.jsonl").read_text().splitlines()]
+    return {r["label"]: r["measured"]["step_time"] for r in rows if r.get("measured", {}).get("step_time")}
+
+
+def mean_steps(passes: list[Path]) -> dict[str, float]:
+    """Each point's step time, the mean over the passes that all measured it: a launch on a
+    shared host reads apart from the same launch minutes later (pass_spread), the mean less so."""
+    each = [measured_steps(folder) for folder in passes]
+    return {
+        label: statistics.mean(e[label] for e in each) for label in each[0] if all(label in e for e in each)
+    }
+
+
+def pass_spread(passes: list[Path]) -> dict[str, float]:
+    """How far apart the passes read a point: (slowest - fastest) / their mean, median and worst
+    over the points; the floor under any model's error against a single pass."""
+    each = [measured_steps(folder) for folder in passes]
+    spreads = [
+        (max(t) - min(t)) / statistics.mean(t)
+        for t in ([e[label] for e in each] for label in each[0] if all(label in e for e in each))
+    ]
+    return {"median": statistics.median(spreads), "worst": max(spreads)} if spreads else {}
+
+
 def _measured_at(folder: Path) -> str:
-    """When a reused tune's runs were measured: its tune.jsonl's last change, UTC."""
+    """When a tune's runs were measured: its tune.jsonl's last change, UTC."""
     stamp = datetime.fromtimestamp((folder / "tune.jsonl").stat().st_mtime, timezone.utc)
     return f"{stamp:%Y-%m-%d %H:%M} UTC"
+
+
+def measured_when(a: dict) -> str:
+    """When a recipe's points were measured, in how many passes and how far apart those read."""
+    passes = len(a["measured_at"])
+    text = f"Measured at {', '.join(a['measured_at'])}" + (
+        f" ({passes} passes; measured s is their mean)" if passes > 1 else ""
+    )
+    if spread := a.get("pass_spread"):
+        text += (
+            f"; the passes read a point {spread['median']:.1%} apart at the median, {spread['worst']:.1%} "
+            "at worst ((slowest - fastest) / mean)"
+        )
+    if a.get("reused"):
+        text += "; predicted again later with the code and profile above (a reused tune)"
+    return text + "."
 
 
 def point_table(rows: list[dict]) -> list[str]:
@@ -253,15 +317,8 @@ def write(result: dict, out: Path) -> None:
             f"{a['predicted_best']} measured {a['predicted_best_vs_measured_best']:+.1%} tokens/s from the "
             f"measured best {a['measured_best']}",
             "",
-            *(
-                [
-                    f"Measured at {a['measured_at']}, predicted again later with the code and profile "
-                    "above (a reused tune)",
-                    "",
-                ]
-                if "measured_at" in a
-                else []
-            ),
+            measured_when(a),
+            "",
             *point_table(a["rows"]),
         ]
         if "refined" in a:

@@ -236,7 +236,8 @@ def test_plan_speed_meets_a_target_only_when_every_round_does(monkeypatch):
 def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
     proc = run_benchmark(
         "pipeline_bubble.py",
-        ["--schedules", "GPipe", "--steps", "3", "--out", str(tmp_path), "model.dim=64", "model.n_heads=4"],
+        ["--schedules", "GPipe", "--steps", "3", "--passes", "2", "--out", str(tmp_path), "model.dim=64"]
+        + ["model.n_heads=4"],
         tmp_path,
         timeout=600,
     )
@@ -245,6 +246,9 @@ def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
     (row,) = result["rows"]
     assert row["schedule"] == "GPipe" and row["theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
     assert row["measured"] == pytest.approx(1 - result["one_rank_step_time_s"] / 2 / row["step_time_s"])
+    # each pass's launches give their own bubble; the steps measured are the passes' mean
+    assert result["passes"] == 2 and len(row["measured_per_pass"]) == 2
+    assert min(row["measured_per_pass"]) - 1e-9 <= row["measured"] <= max(row["measured_per_pass"]) + 1e-9
 
 
 def test_loader_throughput_benchmark_writes_its_results(tmp_path):
@@ -309,23 +313,41 @@ def test_moe_benchmark_writes_its_results(tmp_path):
 
 @pytest.mark.slow
 def test_tune_accuracy_benchmark_writes_its_results_and_cross_refines(tmp_path):
-    """One point of each recipe on 2 ranks, each then predicted by the profile refined on the other's run."""
-    args = ["--profile", "h100", "--world", "2", "--only", "dp2", "--steps", "4", "--out", str(tmp_path)]
+    """One point of each recipe on 2 ranks, measured in two passes and judged against their mean,
+    each then predicted by the profile refined on the other's run."""
+    runs = tmp_path / "runs"
+    args = ["--profile", "h100", "--world", "2", "--only", "dp2", "--steps", "4", "--passes", "2"]
+    args += ["--keep", str(runs), "--out", str(tmp_path)]
     proc = run_benchmark("tune_accuracy.py", args, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "tune_accuracy.json").read_text())
     for name, other in (("debug_cpu", "llm_1b"), ("llm_1b", "debug_cpu")):
         assert result[name]["points"] == 1 and result[name]["rows"][0]["label"] == "dp2"
+        # each pass its own launch; the point's step the mean of the two, their spread reported
+        passes = [runs / name, runs / f"{name}.pass2"]
+        steps = [
+            json.loads(line)["measured"]["step_time"]
+            for folder in passes
+            for line in (folder / "tune.jsonl").read_text().splitlines()
+        ]
+        assert len(steps) == 2 and all(steps) and (passes[1] / "dp2" / "metrics.jsonl").is_file()
+        assert result[name]["rows"][0]["measured_s"] == pytest.approx(sum(steps) / 2, rel=1e-12)
+        spread = result[name]["pass_spread"]
+        assert (
+            spread["median"] == spread["worst"] == pytest.approx(abs(steps[0] - steps[1]) / (sum(steps) / 2))
+        )
         refined = result[name]["refined"]
         assert refined["refined_from"] == [other] and refined["points"] == 1
-        assert "refined by 1 measured runs" in refined["profile"]
-        assert refined["rows"][0]["measured_s"] == result[name]["rows"][0]["measured_s"]  # the same run
+        assert "refined by 1 measured runs" in refined["profile"]  # the other recipe's first pass
+        assert refined["rows"][0]["measured_s"] == result[name]["rows"][0]["measured_s"]
     # what the order and the best are judged by (tokens/s): debug_cpu's fixed global batch of 32 x 64
     # tokens; llm_1b's micro batch of 2 sequences of 128 on each of dp2's ranks
     tokens = [result[n]["rows"][0]["tokens_per_step"] for n in ("debug_cpu", "llm_1b")]
     assert tokens == [32 * 64, 2 * 2 * 128]
     text = (tmp_path / "tune_accuracy.md").read_text()
-    assert "with the profile refined on llm_1b's runs" in text
+    assert (
+        "with the profile refined on llm_1b's runs" in text and "(2 passes; measured s is their mean)" in text
+    )
 
 
 @pytest.mark.slow
