@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recorded import provenance, save  # benchmarks/recorded.py
+from recorded import at_least_one, provenance, save  # benchmarks/recorded.py
 
 from meshforge.parallelisms.pp_actions import bubble_fraction
 from meshforge.recipe import load_recipe
@@ -116,6 +116,7 @@ def measure(
                 "measured": measured,
                 "step_time_s": t_pp,
                 "gap": measured - bubble_fraction(order),
+                "step_time_per_pass_s": times[name],
                 # each pass's own bubble (its one-rank step and this schedule's)
                 "measured_per_pass": [1 - (a / pp) / b for a, b in zip(times["pp1"], times[name])],
             }
@@ -125,6 +126,7 @@ def measure(
         "pp": pp,
         "microbatches": microbatches,
         "one_rank_step_time_s": t1,
+        "one_rank_step_time_per_pass_s": times["pp1"],
         "steps": steps,
         "passes": passes,
         "rows": rows,
@@ -162,7 +164,9 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--passes", type=int, default=3, help="measure every launch this many times (the mean)")
+    p.add_argument(
+        "--passes", type=at_least_one, default=3, help="measure every launch this many times (the mean)"
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("overrides", nargs="*", help="recipe overrides applied to every launch")
     args = p.parse_args()

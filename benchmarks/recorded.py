@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -41,3 +42,11 @@ def save(out: Path, name: str, result: dict, markdown: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text("\n".join(markdown) + "\n")
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type for a count of passes or repeats: a whole number, 1 or more."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: at least 1")
+    return n

@@ -30,7 +30,7 @@ from itertools import combinations
 from pathlib import Path
 
 from pipeline_bubble import COMMON, SCHEDULES  # benchmarks/pipeline_bubble.py
-from recorded import provenance, save  # benchmarks/recorded.py
+from recorded import at_least_one, provenance, save  # benchmarks/recorded.py
 from rich.console import Console
 
 from meshforge.configs import resolve_recipe_path
@@ -155,10 +155,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument(
         "--passes",
-        type=int,
+        type=at_least_one,
         default=1,
         help="measure every point this many times, one pass after another, and judge the model "
-        "against their mean (the record: 2)",
+        "against their mean (the record since 2026-12-06 21:21 UTC: 2)",
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument(
@@ -208,6 +208,8 @@ def main() -> None:
                 }
             steps = means[name] = mean_steps(passes)
             labels = [label for label in point if label in steps]
+            # a point a pass did not measure (failed, timed out) is left out of every pass: named
+            unmeasured = [label for label in point if label not in steps]
             result[name] = {
                 **accuracy_of(
                     labels,
@@ -215,8 +217,9 @@ def main() -> None:
                     [steps[label] for label in labels],
                     [point[label][1] for label in labels],
                 ),
-                "reused": reused[0],
+                "reused": reused,
                 "measured_at": [_measured_at(folder) for folder in passes],
+                "unmeasured": unmeasured,
                 **({"pass_spread": pass_spread(passes)} if len(passes) > 1 else {}),
             }
         if len(folders) > 1:
@@ -275,8 +278,11 @@ def measured_when(a: dict) -> str:
             f"; the passes read a point {spread['median']:.1%} apart at the median, {spread['worst']:.1%} "
             "at worst ((slowest - fastest) / mean)"
         )
-    if a.get("reused"):
-        text += "; predicted again later with the code and profile above (a reused tune)"
+    if any(reused := a.get("reused") or []):
+        which = ", ".join(str(k + 1) for k, old in enumerate(reused) if old)
+        text += f"; pass(es) {which} measured before, predicted again with the code and profile above"
+    if a.get("unmeasured"):
+        text += f"; left out, not measured by every pass: {', '.join(a['unmeasured'])}"
     return text + "."
 
 

@@ -247,8 +247,11 @@ def test_pipeline_bubble_benchmark_writes_its_results(tmp_path):
     assert row["schedule"] == "GPipe" and row["theory"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
     assert row["measured"] == pytest.approx(1 - result["one_rank_step_time_s"] / 2 / row["step_time_s"])
     # each pass's launches give their own bubble; the steps measured are the passes' mean
-    assert result["passes"] == 2 and len(row["measured_per_pass"]) == 2
-    assert min(row["measured_per_pass"]) - 1e-9 <= row["measured"] <= max(row["measured_per_pass"]) + 1e-9
+    ones, pipes = result["one_rank_step_time_per_pass_s"], row["step_time_per_pass_s"]
+    assert result["passes"] == 2 and len(ones) == len(pipes) == 2
+    assert result["one_rank_step_time_s"] == pytest.approx(sum(ones) / 2, rel=1e-12)
+    assert row["step_time_s"] == pytest.approx(sum(pipes) / 2, rel=1e-12)
+    assert row["measured_per_pass"] == pytest.approx([1 - a / 2 / b for a, b in zip(ones, pipes)], rel=1e-12)
 
 
 def test_loader_throughput_benchmark_writes_its_results(tmp_path):
@@ -340,6 +343,7 @@ def test_tune_accuracy_benchmark_writes_its_results_and_cross_refines(tmp_path):
         assert refined["refined_from"] == [other] and refined["points"] == 1
         assert "refined by 1 measured runs" in refined["profile"]  # the other recipe's first pass
         assert refined["rows"][0]["measured_s"] == result[name]["rows"][0]["measured_s"]
+        assert result[name]["reused"] == [False, False] and result[name]["unmeasured"] == []
     # what the order and the best are judged by (tokens/s): debug_cpu's fixed global batch of 32 x 64
     # tokens; llm_1b's micro batch of 2 sequences of 128 on each of dp2's ranks
     tokens = [result[n]["rows"][0]["tokens_per_step"] for n in ("debug_cpu", "llm_1b")]

@@ -11,11 +11,21 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 from conftest import QUICK, RECIPES, run_cli, slurm_env
 
+from meshforge.configs.schema import ActivationCheckpointConfig
 from meshforge.core.topology import ParallelDims
-from meshforge.experiments.tune import batch_caveat, rank_predicted, untraced_caveats, untraced_reason
+from meshforge.experiments.grid import Point
+from meshforge.experiments.tune import (
+    batch_caveat,
+    checkpoints,
+    rank_predicted,
+    untraced_caveats,
+    untraced_reason,
+)
 from meshforge.models import args_from_config, get_model_spec
+from meshforge.parallelisms.ac import apply_ac, checkpointed_blocks
 from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action
 from meshforge.recipe import load_recipe
 from meshforge.run.observe import wandb_files as wf
@@ -214,6 +224,45 @@ def test_a_pipeline_stage_counts_its_own_fsdp_units_and_checkpointed_blocks():
         assert [c["fsdp_units"] for c in costs] == [units] * len(actions)
         assert [c["checkpointed_blocks"] for c in costs] == [blocks] * len(actions)
         assert len(actions) == 2 * recipe.pp.microbatches
+
+
+@pytest.mark.parametrize(
+    "mode, every, stage_layers, want",
+    [
+        ("none", 1, 4, 0),
+        ("memory_budget", 1, 4, 0),  # compile's partitioner recomputes: no wrapper, no hooks
+        ("full", 1, 4, 4),
+        ("op", 1, 4, 4),
+        ("selective", 2, 4, 2),  # layers 0 and 2
+        ("selective", 3, 4, 2),  # layers 0 and 3
+        ("selective", 2, 3, 1),  # a later pipeline stage's layers 1-3: layer 2, by its id
+    ],
+)
+def test_the_checkpointed_blocks_counted_are_those_apply_ac_wraps(mode, every, stage_layers, want):
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        model = spec.build(spec.flavors["debug"])
+    for layer_id in list(model.layers)[: 4 - stage_layers]:  # a stage keeps the ids of its layers
+        del model.layers[layer_id]
+    cfg = ActivationCheckpointConfig(mode=mode, selective_every=every)
+    plain = {layer_id: block.forward for layer_id, block in model.layers.items()}
+    try:
+        apply_ac(model, cfg)
+    finally:
+        functorch_config.activation_memory_budget = 1.0  # process-wide under memory_budget
+    wrapped = sum(block.forward != plain[layer_id] for layer_id, block in model.layers.items())
+    assert checkpointed_blocks(model, cfg) == wrapped == want
+
+
+def test_a_tune_checkpoints_where_its_recipe_or_a_point_does():
+    none, full = (
+        load_recipe(RECIPES / "debug_cpu.toml", [f"activation_checkpoint.mode={m}"]) for m in ("none", "full")
+    )
+    plain = Point("dp8", {"dp_shard": 8}, {})
+    with_ac = Point("dp8-mode=selective", {"dp_shard": 8}, {"activation_checkpoint.mode": "selective"})
+    assert (
+        not checkpoints(none, [plain]) and checkpoints(full, [plain]) and checkpoints(none, [plain, with_ac])
+    )
 
 
 def test_tp_collectives_are_blocking_on_the_tp_group(works):
@@ -470,9 +519,9 @@ def test_a_ranks_share_of_the_cores_is_slowed_as_measured_between_counts():
 
 
 def test_a_profile_names_what_it_does_not_price():
-    """A CPU profile calibrated before FSDP's hooks, core sharing and ranks' arrival were measured,
-    and the shipped GPU profiles (their hosts' FSDP hooks never measured), say what their
-    predictions leave out."""
+    """A CPU profile calibrated before FSDP's and checkpointing's hooks, core sharing and ranks'
+    arrival were measured, and the shipped GPU profiles (their hosts' hooks never measured), say
+    what their predictions leave out (checkpointing's only where a step checkpoints)."""
     old = dataclasses.replace(CPU, shared_cores=2, calibrated_world=8)
     assert old.unpriced(8) == [
         "FSDP's hooks per unit (fsdp_unit_overhead_s)",
@@ -481,6 +530,10 @@ def test_a_profile_names_what_it_does_not_price():
         "a collective's wait for its group's last rank (arrival_skew)",
         "the share of the probes' rates a model's step reaches (model_rate_share)",
     ]
+    assert old.unpriced(8, checkpointing=False) == [
+        old.unpriced(8)[0],
+        *old.unpriced(8)[2:],
+    ]  # no AC: not said
     assert len(old.unpriced(2)) == 4  # 2 ranks on 2 cores: no slowdown to share, a pair's wait still
     assert len(old.unpriced(1)) == 3  # one rank: no collective
     new = dataclasses.replace(
@@ -745,6 +798,8 @@ def test_a_tune_says_when_the_recipe_asks_what_the_eager_trace_does_not_model():
         "fsdp.cpu_offload = true: step times are not to be trusted: the host's optimizer step and the "
         "copies to and from it are not modelled"
     ]
+    (per_op,) = untraced_caveats(load_recipe(recipe, [*dp, "activation_checkpoint.mode=op"]))
+    assert per_op.startswith("activation_checkpoint.mode = op: priced as full AC's hooks per block")
     (float8,) = untraced_caveats(load_recipe(recipe, [*dp, "float8.enabled=true"]))
     assert float8.startswith("float8.enabled = true: step times are not to be trusted: float8's matmuls")
     # as axes they are refused (a key, a float8.* key by its prefix, the budget among AC modes)

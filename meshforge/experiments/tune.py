@@ -28,7 +28,7 @@ from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
-from meshforge.experiments.grid import grid_points, point_label
+from meshforge.experiments.grid import Point, grid_points, point_label
 from meshforge.experiments.point_process import run_point
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep import (
@@ -97,12 +97,13 @@ def tune(
     console.print(
         f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
     )
-    if missing := profile.unpriced(world):  # a step predicted short by what the profile never measured
+    # a step predicted short by what the profile never measured
+    if missing := profile.unpriced(world, checkpoints(base, points)):
         fix = (
             "meshforge tune --calibrate measures them on the machine that runs the tune's layouts"
             if profile.shared_cores
             else "`--calibrate --world 1 --profile-out gpu.toml` on a GPU node measures the host's; "
-            "copy its value into a copy of this profile"
+            "copy their values into a copy of this profile"
         )
         console.print(f"profile {profile.name} does not price {' or '.join(missing)}: {fix}", highlight=False)
     limit = sw.device_memory_gib or profile.device_memory_gib or None
@@ -247,6 +248,13 @@ def batch_caveat(ranked: list[dict]) -> str | None:
     )
 
 
+def checkpoints(base: Recipe, points: list[Point]) -> bool:
+    """Whether a point of the tune checkpoints blocks (apply_ac wraps them): the recipe's AC mode,
+    or a point's own."""
+    modes = {base.activation_checkpoint.mode, *(p.policy.get("activation_checkpoint.mode") for p in points)}
+    return bool(modes & {"full", "selective", "op"})
+
+
 def untraced_caveats(recipe: Recipe) -> list[str]:
     """Lines for what the recipe asks that the trace does not price: its predicted step times are
     then the eager step's (a compiled step is faster; a memory budget's recompute is left out;
@@ -261,6 +269,11 @@ def untraced_caveats(recipe: Recipe) -> list[str]:
         lines.append(
             "activation_checkpoint.mode = memory_budget: predicted as no AC (the compiler's partitioner "
             "chooses the recompute): its recompute is not in the step, and the peak is an upper bound"
+        )
+    if recipe.activation_checkpoint.mode == "op":
+        lines.append(
+            "activation_checkpoint.mode = op: priced as full AC's hooks per block; its per-op policy "
+            "(Python on every op of the forward and the recompute) is not: its step is longer than its row"
         )
     for key, on in (("float8.enabled", recipe.float8.enabled), ("fsdp.cpu_offload", recipe.fsdp.cpu_offload)):
         if on:

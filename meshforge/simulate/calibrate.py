@@ -241,8 +241,10 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
     plain_op = _least(op_overhead, "cpu", tiny_step)
     result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, plain_op)
-    result["fsdp_unit_overhead_s"] = _least(fsdp_unit_overhead)  # FSDP2's hooks: the host's, too
-    result["checkpoint_overhead_s"] = _least(checkpoint_overhead)  # checkpointing's hooks, as FSDP's
+    # FSDP2's and checkpointing's hooks: the host's, too; differences of two steps, each step's
+    # least reading kept apart (hooks_beyond_ops)
+    result["fsdp_unit_overhead_s"] = fsdp_unit_overhead(PROBE_ROUNDS)
+    result["checkpoint_overhead_s"] = checkpoint_overhead(PROBE_ROUNDS)
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}

@@ -119,12 +119,13 @@ class Profile:
         """CPU: the cores one rank alone used (its threads, at most all the cores)."""
         return cores_one_rank_uses(self.threads_per_rank, self.shared_cores)
 
-    def unpriced(self, world: int) -> list[str]:
+    def unpriced(self, world: int, checkpointing: bool = True) -> list[str]:
         """What this profile leaves out of a step of `world` ranks for want of a measurement (a CPU
         profile calibrated before these were measured, a shipped GPU profile), to be said where it
-        predicts. A refined profile's fitted rates have taken the model's share in already."""
+        predicts (`checkpointing`: whether some step checkpoints blocks). A refined profile's fitted
+        rates have taken the model's share in already."""
         missing = [] if self.fsdp_unit_overhead_s else ["FSDP's hooks per unit (fsdp_unit_overhead_s)"]
-        if not self.checkpoint_overhead_s:
+        if checkpointing and not self.checkpoint_overhead_s:
             missing.append("checkpointing's hooks per block (checkpoint_overhead_s)")
         shared = world * self.cores_per_rank > self.shared_cores
         if self.shared_cores and shared and not self.sharing_slowdown:

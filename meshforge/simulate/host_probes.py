@@ -69,12 +69,14 @@ def tiny_step(device: str = "cpu") -> Callable[[], None]:
     return training_step(tiny_stack().to(device), torch.randn(2, 8, device=device))
 
 
-def seconds_and_cost(step: Callable[[], None], device: str = "cpu") -> tuple[float, PhaseCost]:
-    """The median seconds of `step`, and what CostRecorder counts in it."""
+def seconds_and_cost(
+    step: Callable[[], None], device: str = "cpu", timed: bool = True
+) -> tuple[float, PhaseCost]:
+    """The median seconds of `step` (0 if not `timed`), and what CostRecorder counts in it."""
     recorder = CostRecorder(lambda: "step")
     with recorder:
         step()
-    return median_seconds(step, device), recorder.phases["step"]
+    return median_seconds(step, device) if timed else 0.0, recorder.phases["step"]
 
 
 TINY_LLAMA = LlamaArgs(
@@ -138,43 +140,49 @@ def dtensor_op_overhead(per_op: float) -> float:
     return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
 
 
-def fsdp_unit_overhead() -> float:
+def fsdp_unit_overhead(rounds: int = 1) -> float:
     """Seconds of host work per FSDP unit per microbatch (its forward and backward) beyond the ops
     it dispatches: FSDP2's hooks in Python (unsharding, copy-in and -out, resharding, the
     reduce-scatter's bookkeeping). The tiny Llama's step wrapped as a run wraps it (per block, the
     embeddings, norm + output, the root) over 2 ranks under torch's fake process group (its
-    collectives do nothing), against the same step unsharded timed just before: the difference,
-    less the extra ops at the unsharded step's cost per op, over the units. ~1.2 ms a unit on this
-    project's 2-core VM, ~150 ops' worth. Host work whatever the device: probed on CPU tensors."""
-    seconds, cost = seconds_and_cost(tiny_llama_step())
-    per_op = seconds / cost.ops
+    collectives do nothing), against the same step unsharded (`hooks_beyond_ops`). ~1.2 ms a unit
+    on this project's 2-core VM, ~150 ops' worth. Host work whatever the device: probed on CPU
+    tensors."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         model, tokens = _tiny_llama()
         apply_fsdp(model, init_device_mesh("cpu", (2,)), FSDPConfig())  # as a run wraps it
-        sharded, sharded_cost = seconds_and_cost(llama_step(model, tokens))
+        return hooks_beyond_ops(tiny_llama_step(), llama_step(model, tokens), fsdp_units(model), rounds)
     finally:
         dist.destroy_process_group()
-    return max(0.0, sharded - sharded_cost.ops * per_op) / fsdp_units(model)
 
 
-def checkpoint_overhead() -> float:
+def checkpoint_overhead(rounds: int = 1) -> float:
     """Seconds of host work per checkpointed block per microbatch (its forward and backward) beyond
     the ops it dispatches, the recompute's included: torch's non-reentrant checkpoint packs and
     unpacks every tensor the block saves through Python hooks, twice (forward, recompute) with a
     metadata check. The tiny Llama's step with every block checkpointed as a run checkpoints them
-    (mode full), against the same step without, timed just before: the difference, less the
-    recompute's ops at the plain step's cost per op, over the blocks. ~0.8 ms a block on this
+    (mode full), against the same step without (`hooks_beyond_ops`). ~0.7-0.9 ms a block on this
     project's 2-core VM (~110 ops' worth; ~1/3 of it in the forward), which made full AC's
     measured cost 1.5-5x what the ops alone predicted (2026-12-06). A dense Llama block's: a
     block that saves more tensors (an MoE block) pays more."""
-    seconds, cost = seconds_and_cost(tiny_llama_step())
-    per_op = seconds / cost.ops
     model, tokens = _tiny_llama()
     full = ActivationCheckpointConfig(mode="full")
     apply_ac(model, full)
-    checkpointed, checkpointed_cost = seconds_and_cost(llama_step(model, tokens))
-    return max(0.0, checkpointed - checkpointed_cost.ops * per_op) / checkpointed_blocks(model, full)
+    return hooks_beyond_ops(
+        tiny_llama_step(), llama_step(model, tokens), checkpointed_blocks(model, full), rounds
+    )
+
+
+def hooks_beyond_ops(plain: Callable[[], None], hooked: Callable[[], None], units: int, rounds: int) -> float:
+    """Seconds per unit that `hooked` (the same step with `units` units' hooks) takes beyond its
+    ops priced at `plain`'s cost per op. Both timed in each of `rounds` rounds, back to back, and
+    the least of each kept apart: a slow plain reading would price the ops high and read the hooks
+    low, so the least of the differences would pick the rounds a busy host disturbed."""
+    (_, plain_cost), (_, hooked_cost) = (seconds_and_cost(step, timed=False) for step in (plain, hooked))
+    readings = [(median_seconds(plain), median_seconds(hooked)) for _ in range(rounds)]
+    per_op = min(p for p, _ in readings) / plain_cost.ops
+    return max(0.0, min(h for _, h in readings) - hooked_cost.ops * per_op) / units
 
 
 class _TPStack(torch.nn.Module):
