@@ -206,7 +206,8 @@ def main() -> None:
                     for r in rows
                     if r.get("predicted")
                 }
-            steps = means[name] = mean_steps(passes)
+            readings = pass_readings(passes)
+            steps = means[name] = {label: statistics.mean(t) for label, t in readings.items()}
             labels = [label for label in point if label in steps]
             # a point a pass did not measure (failed, timed out) is left out of every pass: named
             unmeasured = [label for label in point if label not in steps]
@@ -220,7 +221,7 @@ def main() -> None:
                 "reused": reused,
                 "measured_at": [_measured_at(folder) for folder in passes],
                 "unmeasured": unmeasured,
-                **({"pass_spread": pass_spread(passes)} if len(passes) > 1 else {}),
+                **({"pass_spread": pass_spread(readings)} if len(passes) > 1 else {}),
             }
         if len(folders) > 1:
             for name, refined in cross_refined(profile, folders, means, console).items():
@@ -241,23 +242,17 @@ def measured_steps(folder: Path) -> dict[str, float]:
     return {r["label"]: r["measured"]["step_time"] for r in rows if r.get("measured", {}).get("step_time")}
 
 
-def mean_steps(passes: list[Path]) -> dict[str, float]:
-    """Each point's step time, the mean over the passes that all measured it: a launch on a
-    shared host reads apart from the same launch minutes later (pass_spread), the mean less so."""
+def pass_readings(passes: list[Path]) -> dict[str, list[float]]:
+    """Each point's step time in every pass, for the points all the passes measured: a launch on a
+    shared host reads apart from the same launch minutes later, their mean less so."""
     each = [measured_steps(folder) for folder in passes]
-    return {
-        label: statistics.mean(e[label] for e in each) for label in each[0] if all(label in e for e in each)
-    }
+    return {label: [e[label] for e in each] for label in each[0] if all(label in e for e in each)}
 
 
-def pass_spread(passes: list[Path]) -> dict[str, float]:
+def pass_spread(readings: dict[str, list[float]]) -> dict[str, float]:
     """How far apart the passes read a point: (slowest - fastest) / their mean, median and worst
     over the points; the floor under any model's error against a single pass."""
-    each = [measured_steps(folder) for folder in passes]
-    spreads = [
-        (max(t) - min(t)) / statistics.mean(t)
-        for t in ([e[label] for e in each] for label in each[0] if all(label in e for e in each))
-    ]
+    spreads = [(max(t) - min(t)) / statistics.mean(t) for t in readings.values()]
     return {"median": statistics.median(spreads), "worst": max(spreads)} if spreads else {}
 
 
