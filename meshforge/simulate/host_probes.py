@@ -69,14 +69,18 @@ def tiny_step(device: str = "cpu") -> Callable[[], None]:
     return training_step(tiny_stack().to(device), torch.randn(2, 8, device=device))
 
 
-def seconds_and_cost(
-    step: Callable[[], None], device: str = "cpu", timed: bool = True
-) -> tuple[float, PhaseCost]:
-    """The median seconds of `step` (0 if not `timed`), and what CostRecorder counts in it."""
+def cost_of(step: Callable[[], None]) -> PhaseCost:
+    """What CostRecorder counts in one run of `step`."""
     recorder = CostRecorder(lambda: "step")
     with recorder:
         step()
-    return median_seconds(step, device) if timed else 0.0, recorder.phases["step"]
+    return recorder.phases["step"]
+
+
+def seconds_and_cost(step: Callable[[], None], device: str = "cpu") -> tuple[float, PhaseCost]:
+    """The median seconds of `step`, and what CostRecorder counts in it."""
+    cost = cost_of(step)
+    return median_seconds(step, device), cost
 
 
 TINY_LLAMA = LlamaArgs(
@@ -179,7 +183,7 @@ def hooks_beyond_ops(plain: Callable[[], None], hooked: Callable[[], None], unit
     ops priced at `plain`'s cost per op. Both timed in each of `rounds` rounds, back to back, and
     the least of each kept apart: a slow plain reading would price the ops high and read the hooks
     low, so the least of the differences would pick the rounds a busy host disturbed."""
-    (_, plain_cost), (_, hooked_cost) = (seconds_and_cost(step, timed=False) for step in (plain, hooked))
+    plain_cost, hooked_cost = cost_of(plain), cost_of(hooked)
     readings = [(median_seconds(plain), median_seconds(hooked)) for _ in range(rounds)]
     per_op = min(p for p, _ in readings) / plain_cost.ops
     return max(0.0, min(h for _, h in readings) - hooked_cost.ops * per_op) / units
