@@ -38,14 +38,7 @@ from meshforge.run.observe.flops import gpu_peak_flops, measure_cpu_matmul_flops
 from meshforge.run.train.paced_gc import collector_off
 from meshforge.simulate.core_sharing import group_sizes, measure_sharing
 from meshforge.simulate.hardware import Profile
-from meshforge.simulate.host_probes import (
-    WARMUP,
-    checkpoint_overhead,
-    dtensor_op_overhead,
-    fsdp_unit_overhead,
-    op_overhead,
-    tiny_step,
-)
+from meshforge.simulate.host_probes import PROBE_ROUNDS, WARMUP, host_costs, tiny_step
 from meshforge.simulate.link_fit import fit_kind_links, fit_link
 from meshforge.simulate.profile_table import profile_table
 from meshforge.simulate.profile_toml import load_profile, save_profile
@@ -54,7 +47,6 @@ from meshforge.simulate.rate_probes import compute_rates, model_rate_share
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)  # full-buffer bytes of each timed collective
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 LOADED_REPEATS = 32  # bursts timed with and without the collective after each
-PROBE_ROUNDS = 3  # rounds of each probe of one rank alone, the fastest kept
 TIMEOUT_S = 300  # a rank that hangs this long fails the calibration instead of the terminal
 
 
@@ -223,12 +215,6 @@ def cost_under_load(
     return max(0.0, (clock() - start - alone) / repeats)
 
 
-def _least(probe: Callable[..., float], *args) -> float:
-    """A host probe's least reading of PROBE_ROUNDS: a slow second of a shared host only adds (the
-    DTensor probe read 105 us in one calibration, 56-61 us in five rounds alone a while later)."""
-    return min(probe(*args) for _ in range(PROBE_ROUNDS))
-
-
 def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str) -> None:
     """One rank alone (with `threads` threads on a CPU; or one GPU): matmul and attention FLOP/s per
     dtype, memory-bound bytes/s (rate_probes.py), the host's work per op, per DTensor op, per
@@ -236,15 +222,7 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device, PROBE_ROUNDS)
-    result["op_overhead_s"] = _least(op_overhead, device)
-    # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
-    # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
-    plain_op = _least(op_overhead, "cpu", tiny_step)
-    result["dtensor_op_overhead_s"] = _least(dtensor_op_overhead, plain_op)
-    # FSDP2's and checkpointing's hooks: the host's, too; differences of two steps, each step's
-    # least reading kept apart (hooks_beyond_ops)
-    result["fsdp_unit_overhead_s"] = fsdp_unit_overhead(PROBE_ROUNDS)
-    result["checkpoint_overhead_s"] = checkpoint_overhead(PROBE_ROUNDS)
+    result.update(host_costs(device))
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}
