@@ -104,7 +104,9 @@ def test_kill_9_of_a_rank_then_resume_gives_the_same_curve(reference, tmp_path):
     start = time.monotonic()
     proc = run_cli(args, cwd=tmp_path, env=_hook_env(tmp_path, KILL_RANK1_AT_STEP7))
     assert proc.returncode == 1 and "rank 1 failed" in proc.stderr and "SIGKILL" in proc.stderr
-    assert time.monotonic() - start < 60
+    # ended by the kill, not by the other ranks' collectives timing out (300 s): a bound, not a
+    # speed target (as test_launch's: a loaded 2-core machine takes 80 s to start and stop 4 ranks)
+    assert time.monotonic() - start < 200
     run_dir = tmp_path / "killed"
     assert [p.name for p in committed(run_dir / "checkpoints")] == ["step-00000005"]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"

@@ -71,9 +71,11 @@ def peak_matmul_flops(
     product_of: Callable, sizes: tuple[int, ...] = (256, 512, 1024), repeats: int = 5
 ) -> float:
     """The best matmul FLOP/s over a few square sizes, in the operand layout that runs fastest
-    (picked at the smallest size, so the slow layouts cost little). `product_of(n, layout)` gives
-    a function that runs one n x n product (of whichever framework the run computes with)."""
-    fastest = min(LAYOUTS, key=lambda layout: _best_seconds(product_of(sizes[0], layout), 1))
+    (picked at the smallest size, so the slow layouts cost little, on its best of 3 readings: one
+    reading a busy host slowed could pick a slower layout and understate the peak).
+    `product_of(n, layout)` gives a function that runs one n x n product (of whichever framework
+    the run computes with)."""
+    fastest = min(LAYOUTS, key=lambda layout: _best_seconds(product_of(sizes[0], layout), 3))
     return max(2 * n**3 / _best_seconds(product_of(n, fastest), repeats) for n in sizes)
 
 
