@@ -800,6 +800,20 @@ def test_a_tune_says_when_the_recipe_asks_what_the_eager_trace_does_not_model():
     ]
     (per_op,) = untraced_caveats(load_recipe(recipe, [*dp, "activation_checkpoint.mode=op"]))
     assert per_op.startswith("activation_checkpoint.mode = op: priced as full AC's hooks per block")
+    by_op = Point("dp2-mode=op", {"dp_shard": 2}, {"activation_checkpoint.mode": "op"})
+    assert untraced_caveats(load_recipe(recipe, dp), [by_op]) == [per_op]  # a point's mode, as an axis
+    # an MoE block's checkpointing hooks are priced at a dense block's: said where a point checkpoints
+    moe = load_recipe(RECIPES / "qwen3_30b_a3b.toml", ["activation_checkpoint.mode=none"])
+    no_ac = Point("dp8", {"dp_shard": 8}, {})
+    assert untraced_caveats(moe, [no_ac]) == []
+    (moe_ac,) = untraced_caveats(
+        moe, [no_ac, Point("dp8-full", {"dp_shard": 8}, {"activation_checkpoint.mode": "full"})]
+    )
+    assert moe_ac.startswith("checkpointed MoE blocks: their hooks are priced at a dense block's")
+    moe_full = load_recipe(RECIPES / "qwen3_30b_a3b.toml")  # its own mode: full
+    assert untraced_caveats(moe_full) == [moe_ac]
+    # a profile without checkpointing's price (a shipped GPU one) says so in its own line instead
+    assert untraced_caveats(moe_full, block_hooks_priced=False) == []
     (float8,) = untraced_caveats(load_recipe(recipe, [*dp, "float8.enabled=true"]))
     assert float8.startswith("float8.enabled = true: step times are not to be trusted: float8's matmuls")
     # as axes they are refused (a key, a float8.* key by its prefix, the budget among AC modes)

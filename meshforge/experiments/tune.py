@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -118,7 +119,7 @@ def tune(
         rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]
     ranked = rank_predicted(rows)
     console.print(predicted_table(ranked, profile, limit))
-    for line in [batch_caveat(ranked), *untraced_caveats(base)]:
+    for line in [batch_caveat(ranked), *untraced_caveats(base, points, profile.checkpoint_overhead_s > 0)]:
         if line:
             console.print(line, highlight=False)
     for r in rows:
@@ -248,17 +249,26 @@ def batch_caveat(ranked: list[dict]) -> str | None:
     )
 
 
-def checkpoints(base: Recipe, points: list[Point]) -> bool:
-    """Whether a point of the tune checkpoints blocks (apply_ac wraps them): the recipe's AC mode,
-    or a point's own."""
-    modes = {base.activation_checkpoint.mode, *(p.policy.get("activation_checkpoint.mode") for p in points)}
-    return bool(modes & {"full", "selective", "op"})
+def ac_modes(base: Recipe, points: Sequence[Point]) -> set[str]:
+    """The activation-checkpointing modes a tune's points run: the recipe's, and the points' own."""
+    return {
+        base.activation_checkpoint.mode,
+        *(p.policy.get(BUDGET, base.activation_checkpoint.mode) for p in points),
+    }
 
 
-def untraced_caveats(recipe: Recipe) -> list[str]:
-    """Lines for what the recipe asks that the trace does not price: its predicted step times are
-    then the eager step's (a compiled step is faster; a memory budget's recompute is left out;
-    float8 and CPU offload are not modelled)."""
+def checkpoints(base: Recipe, points: Sequence[Point]) -> bool:
+    """Whether a point of the tune checkpoints blocks (apply_ac wraps them)."""
+    return bool(ac_modes(base, points) & {"full", "selective", "op"})
+
+
+def untraced_caveats(
+    recipe: Recipe, points: Sequence[Point] = (), block_hooks_priced: bool = True
+) -> list[str]:
+    """Lines for what the recipe (or a point's AC mode) asks that the trace does not price: its
+    predicted step times are then the eager step's (a compiled step is faster; a memory budget's
+    recompute is left out; float8 and CPU offload are not modelled; per-op AC's policy and, where
+    the profile prices checkpointing's hooks (`block_hooks_priced`), an MoE block's are priced short)."""
     lines = []
     if recipe.compile.enabled:
         lines.append(
@@ -270,10 +280,17 @@ def untraced_caveats(recipe: Recipe) -> list[str]:
             "activation_checkpoint.mode = memory_budget: predicted as no AC (the compiler's partitioner "
             "chooses the recompute): its recompute is not in the step, and the peak is an upper bound"
         )
-    if recipe.activation_checkpoint.mode == "op":
+    if "op" in ac_modes(recipe, points):
         lines.append(
             "activation_checkpoint.mode = op: priced as full AC's hooks per block; its per-op policy "
             "(Python on every op of the forward and the recompute) is not: its step is longer than its row"
+        )
+    if block_hooks_priced and experts_of(recipe) and checkpoints(recipe, points):
+        # a tiny Qwen3 MoE block's hooks read 1.3-1.9x the same dims' dense block's (2026-12-07, 2 cores)
+        lines.append(
+            "checkpointed MoE blocks: their hooks are priced at a dense block's (checkpoint_overhead_s, "
+            "probed on a dense Llama); an MoE block saves more tensors (its router's and experts') and "
+            "its hooks cost more: a checkpointing point's step is longer than its row"
         )
     for key, on in (("float8.enabled", recipe.float8.enabled), ("fsdp.cpu_offload", recipe.fsdp.cpu_offload)):
         if on:
