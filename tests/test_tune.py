@@ -17,13 +17,8 @@ from conftest import QUICK, RECIPES, run_cli, slurm_env
 from meshforge.configs.schema import ActivationCheckpointConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.experiments.grid import Point
-from meshforge.experiments.tune import (
-    batch_caveat,
-    checkpoints,
-    rank_predicted,
-    untraced_caveats,
-    untraced_reason,
-)
+from meshforge.experiments.tune import rank_predicted
+from meshforge.experiments.tune_caveats import batch_caveat, checkpoints, untraced_caveats, untraced_reason
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms.ac import apply_ac, checkpointed_blocks
 from meshforge.parallelisms.pp_actions import bubble_fraction, parse_action

@@ -17,19 +17,18 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Problem, Recipe, RecipeError
+from meshforge.configs import RecipeError
 from meshforge.configs.inert import unread_on_mesh
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
-from meshforge.experiments.grid import Point, grid_points, point_label
+from meshforge.experiments.grid import grid_points, point_label
 from meshforge.experiments.point_process import run_point
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep import (
@@ -40,6 +39,7 @@ from meshforge.experiments.sweep import (
     point_command,
 )
 from meshforge.experiments.sweep_record import MEASURED, measure
+from meshforge.experiments.tune_caveats import batch_caveat, checkpoints, refuse_untraced, untraced_caveats
 from meshforge.models import args_from_config
 from meshforge.recipe import experts_of, load_recipe
 from meshforge.run.launch.plan import make_plan
@@ -47,28 +47,6 @@ from meshforge.run.observe.flops import flops_per_token
 from meshforge.simulate.estimate import heaviest, role_works, trace_pool
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.step_time import predict_step
-
-# What the traced step cannot tell apart, so tune cannot rank it (an axis key, or a key's prefix
-# ending in '.'): compile's fused kernels are not traced (the trace runs eager), a memory budget is
-# the compiler's partitioner, float8's kernels and CPU offload's host work are not priced (one
-# H200, 2026-12-04: llm_1b float8 predicted 59% slower than bf16, ran 5.9% slower (rowwise) to 9.5%
-# faster (tensorwise) compiled; with offload predicted 0.19 s, ran 1.28 s)
-UNTRACED = {
-    "compile.enabled": "the trace runs eager: compiled kernels' time is not modelled",
-    "activation_checkpoint.memory_budget": "the compiler's partitioner decides what is saved; not traced",
-    "float8.": "float8's matmuls and scaling are priced as eager ops, not as float8 kernels",
-    "fsdp.cpu_offload": "the host's optimizer step and the copies to and from it are not modelled",
-}
-BUDGET = "activation_checkpoint.mode"  # its value memory_budget is the partitioner's, as above
-
-
-def untraced_reason(key: str, values: list[str]) -> str | None:
-    """Why tune cannot rank an axis over `key` (None: it can)."""
-    if key == BUDGET and "memory_budget" in values:
-        return UNTRACED["activation_checkpoint.memory_budget"]
-    return next(
-        (why for k, why in UNTRACED.items() if key == k or (k.endswith(".") and key.startswith(k))), None
-    )
 
 
 def tune(
@@ -88,7 +66,7 @@ def tune(
     base = load_recipe(recipe_path, [*overrides, *mesh_for(world)], world_size=world)
     sw = base.sweep
     axes = {**sw.axes, **axes}
-    _refuse_untraced(axes)
+    refuse_untraced(axes)
     stem = Path(recipe_path).stem
     tune_dir = (tune_dir or Path(base.output_dir) / f"tune-{stem}-w{world}").resolve()
     group = base.logging.wandb_group or f"{stem}/{tune_dir.name}"
@@ -165,18 +143,6 @@ def tune(
     return tune_dir
 
 
-def _refuse_untraced(axes: dict[str, list[str]]) -> None:
-    if bad := {k: why for k, v in axes.items() if (why := untraced_reason(k, v))}:
-        raise RecipeError(
-            [
-                Problem(f"--axis {k}", axes[k], f"tune cannot rank it: {why}; sweep it instead")
-                for k, why in bad.items()
-            ],
-            "tune",
-            "command",
-        )
-
-
 def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]]) -> str | None:
     """The label the recipe's own layout and policy values have in the grid (None: its mesh needs
     a world size, so it is no point of the grid)."""
@@ -234,68 +200,6 @@ def rank_predicted(rows: list[dict]) -> list[dict]:
         return (-p["tokens_per_step"] / p["step_s"] if p["step_s"] > 0 else -float("inf"), p["step_s"])
 
     return sorted((r for r in rows if r["status"] == "planned"), key=rate)
-
-
-def batch_caveat(ranked: list[dict]) -> str | None:
-    """A line when the points train on different global batches: then a shorter step is not a
-    faster layout, and the table's order (tokens/s) differs from its step column's."""
-    sizes = {r["predicted"]["tokens_per_step"] for r in ranked}
-    if len(sizes) < 2:
-        return None
-    return (
-        f"the points train on {min(sizes):,} to {max(sizes):,} tokens per step (e.g. "
-        "train.micro_batch_size x grad_accum_steps x the data-parallel degree): ranked by tokens/s, "
-        "not step time; set train.global_batch_size to hold the batch fixed across layouts"
-    )
-
-
-def ac_modes(base: Recipe, points: Sequence[Point]) -> set[str]:
-    """The activation-checkpointing modes a tune's points run: the recipe's, and the points' own."""
-    return {
-        base.activation_checkpoint.mode,
-        *(p.policy.get(BUDGET, base.activation_checkpoint.mode) for p in points),
-    }
-
-
-def checkpoints(base: Recipe, points: Sequence[Point]) -> bool:
-    """Whether a point of the tune checkpoints blocks (apply_ac wraps them)."""
-    return bool(ac_modes(base, points) & {"full", "selective", "op"})
-
-
-def untraced_caveats(
-    recipe: Recipe, points: Sequence[Point] = (), block_hooks_priced: bool = True
-) -> list[str]:
-    """Lines for what the recipe (or a point's AC mode) asks that the trace does not price: its
-    predicted step times are then the eager step's (a compiled step is faster; a memory budget's
-    recompute is left out; float8 and CPU offload are not modelled; per-op AC's policy and, where
-    the profile prices checkpointing's hooks (`block_hooks_priced`), an MoE block's are priced short)."""
-    lines = []
-    if recipe.compile.enabled:
-        lines.append(
-            "compile.enabled = true: each step is predicted as eager (compiled kernels' fusion is not "
-            "modelled): a compiled run's step is shorter than its row"
-        )
-    if recipe.activation_checkpoint.mode == "memory_budget":
-        lines.append(
-            "activation_checkpoint.mode = memory_budget: predicted as no AC (the compiler's partitioner "
-            "chooses the recompute): its recompute is not in the step, and the peak is an upper bound"
-        )
-    if "op" in ac_modes(recipe, points):
-        lines.append(
-            "activation_checkpoint.mode = op: priced as full AC's hooks per block; its per-op policy "
-            "(Python on every op of the forward and the recompute) is not: its step is longer than its row"
-        )
-    if block_hooks_priced and experts_of(recipe) and checkpoints(recipe, points):
-        # a tiny Qwen3 MoE block's hooks read 1.3-1.9x the same dims' dense block's (2026-12-07, 2 cores)
-        lines.append(
-            "checkpointed MoE blocks: their hooks are priced at a dense block's (checkpoint_overhead_s, "
-            "probed on a dense Llama); an MoE block saves more tensors (its router's and experts') and "
-            "its hooks cost more: a checkpointing point's step is longer than its row"
-        )
-    for key, on in (("float8.enabled", recipe.float8.enabled), ("fsdp.cpu_offload", recipe.fsdp.cpu_offload)):
-        if on:
-            lines.append(f"{key} = true: step times are not to be trusted: {untraced_reason(key, [])}")
-    return lines
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
