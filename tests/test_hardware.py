@@ -4,6 +4,7 @@ tune fixture)."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -229,10 +230,17 @@ def test_a_dtensor_op_an_fsdp_unit_and_a_checkpointed_block_cost_the_host_more_t
     of PROBE_ROUNDS readings, as calibrate keeps it: one reading of the plain op, 2x its usual on a
     busy CI host, once read level with the Llama's."""
     with trace_pool(1) as pool:
-        costs = pool.submit(host_costs).result()
-    per_op, plain_op = costs["op_overhead_s"], costs["plain_op_overhead_s"]
-    per_dtensor_op, per_unit, per_block = (
-        costs[name] for name in ("dtensor_op_overhead_s", "fsdp_unit_overhead_s", "checkpoint_overhead_s")
+        costs, plain_op = pool.submit(host_costs).result()
+    # calibrate builds a GPU's Profile from them as they are (Profile(**rates)): each is a field
+    assert set(costs) <= {field.name for field in dataclasses.fields(Profile)}
+    per_op, per_dtensor_op, per_unit, per_block = (
+        costs[name]
+        for name in (
+            "op_overhead_s",
+            "dtensor_op_overhead_s",
+            "fsdp_unit_overhead_s",
+            "checkpoint_overhead_s",
+        )
     )
     assert 0 < plain_op < per_op < 1e-3  # a transformer's op brings module calls, views, autograd nodes
     assert per_dtensor_op > per_op

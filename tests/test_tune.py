@@ -807,6 +807,8 @@ def test_a_tune_says_when_the_recipe_asks_what_the_eager_trace_does_not_model():
     assert moe_ac.startswith("checkpointed MoE blocks: their hooks are priced at a dense block's")
     moe_full = load_recipe(RECIPES / "qwen3_30b_a3b.toml")  # its own mode: full
     assert untraced_caveats(moe_full) == [moe_ac]
+    none_axis = [Point(f"dp8-{m}", {"dp_shard": 8}, {"activation_checkpoint.mode": "none"}) for m in "ab"]
+    assert untraced_caveats(moe_full, none_axis) == []  # every point overrides the recipe's full
     # a profile without checkpointing's price (a shipped GPU one) says so in its own line instead
     assert untraced_caveats(moe_full, block_hooks_priced=False) == []
     (float8,) = untraced_caveats(load_recipe(recipe, [*dp, "float8.enabled=true"]))
@@ -822,6 +824,24 @@ def test_a_tune_says_when_the_recipe_asks_what_the_eager_trace_does_not_model():
         assert untraced_reason(key, values), key
     assert untraced_reason("activation_checkpoint.mode", ["none", "full", "op"]) is None
     assert untraced_reason("fsdp.reshard_after_forward", ["true", "false"]) is None
+
+
+@pytest.mark.slow
+def test_a_tune_plan_says_an_moe_blocks_checkpointing_hooks_are_priced_as_a_dense_blocks(tmp_path):
+    """The shrunk Qwen3 MoE recipe (its own AC: full) over 2 ranks with a profile that prices
+    checkpointing's hooks: tune says, under its table, that an MoE block's are priced short."""
+    priced = tmp_path / "priced.toml"
+    text = SHIPPED["h100"].read_text()
+    priced.write_text(text.replace("checkpoint_overhead_s = 0.0", "checkpoint_overhead_s = 1e-4"))
+    # as the recipe's header shrinks it for 8 CPU processes
+    shrunk = "model.n_layers=2 model.dim=128 model.n_heads=4 model.n_kv_heads=2 model.head_dim=32 "
+    shrunk += "model.moe_dim=64 model.num_experts=16 model.vocab_size=1024 train.seq_len=128"
+    args = ["tune", str(RECIPES / "qwen3_30b_a3b.toml"), "--world", "2", "--plan", "--profile", str(priced)]
+    proc = run_cli([*args, *shrunk.split(), "fsdp.param_dtype=float32"], cwd=tmp_path, program="meshforge")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = " ".join(proc.stdout.split())
+    assert "checkpointed MoE blocks: their hooks are priced at a dense block's" in said, proc.stdout
+    assert "does not price FSDP's hooks per unit" in said and "checkpointing's hooks" not in said
 
 
 def test_a_tune_plan_says_when_layouts_change_the_global_batch(tmp_path):

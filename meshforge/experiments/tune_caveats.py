@@ -22,12 +22,12 @@ UNTRACED = {
     "float8.": "float8's matmuls and scaling are priced as eager ops, not as float8 kernels",
     "fsdp.cpu_offload": "the host's optimizer step and the copies to and from it are not modelled",
 }
-BUDGET = "activation_checkpoint.mode"  # its value memory_budget is the partitioner's, as above
+AC_MODE = "activation_checkpoint.mode"
 
 
 def untraced_reason(key: str, values: list[str]) -> str | None:
     """Why tune cannot rank an axis over `key` (None: it can)."""
-    if key == BUDGET and "memory_budget" in values:
+    if key == AC_MODE and "memory_budget" in values:  # the partitioner's, as above
         return UNTRACED["activation_checkpoint.memory_budget"]
     return next(
         (why for k, why in UNTRACED.items() if key == k or (k.endswith(".") and key.startswith(k))), None
@@ -61,11 +61,10 @@ def batch_caveat(ranked: list[dict]) -> str | None:
 
 
 def ac_modes(base: Recipe, points: Sequence[Point]) -> set[str]:
-    """The activation-checkpointing modes a tune's points run: the recipe's, and the points' own."""
-    return {
-        base.activation_checkpoint.mode,
-        *(p.policy.get(BUDGET, base.activation_checkpoint.mode) for p in points),
-    }
+    """The activation-checkpointing modes a tune's points run: each point's own, else the recipe's
+    (the recipe's alone when there are no points)."""
+    own = base.activation_checkpoint.mode
+    return {p.policy.get(AC_MODE, own) for p in points} or {own}
 
 
 def checkpoints(base: Recipe, points: Sequence[Point]) -> bool:

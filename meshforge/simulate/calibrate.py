@@ -222,7 +222,7 @@ def _measure_alone(rank: int, world: int, threads: int, folder: str, device: str
     torch.set_num_threads(threads)
     gpu = device == "cuda"
     result = compute_rates(device, PROBE_ROUNDS)
-    result.update(host_costs(device))
+    result.update(host_costs(device)[0])
     if gpu:  # MFU against the datasheet, as a run reports it (flops.py)
         gpu_device = torch.device("cuda", 0)
         peaks = {name: gpu_peak_flops(gpu_device, name) for name in result["matmul_flops"]}

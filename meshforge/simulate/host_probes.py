@@ -197,20 +197,21 @@ def least_of(probe: Callable[..., float], *args) -> float:
     return min(probe(*args) for _ in range(PROBE_ROUNDS))
 
 
-def host_costs(device: str = "cpu") -> dict[str, float]:
+def host_costs(device: str = "cpu") -> tuple[dict[str, float], float]:
     """The host's work per op (`device`'s), per DTensor op, per FSDP unit and per checkpointed
-    block, each its probe's least reading of PROBE_ROUNDS, as calibrate measures them; and what a
-    plain op costs (`plain_op_overhead_s`: the DTensor probe's local ops are priced at it)."""
+    block, as the Profile fields of those names, each its probe's least reading of PROBE_ROUNDS
+    (as calibrate measures them); and, apart, what a plain op costs (the DTensor probe's local ops
+    are priced at it)."""
     costs = {"op_overhead_s": least_of(op_overhead, device)}
     # DTensor's dispatch is the host's work whatever the device: probed on CPU tensors, less their
     # local ops (plain linear/norm/activation layers) at what such an op costs a CPU
-    costs["plain_op_overhead_s"] = plain_op = least_of(op_overhead, "cpu", tiny_step)
+    plain_op = least_of(op_overhead, "cpu", tiny_step)
     costs["dtensor_op_overhead_s"] = least_of(dtensor_op_overhead, plain_op)
     # FSDP2's and checkpointing's hooks: the host's, too; differences of two steps, each step's
     # least reading kept apart (hooks_beyond_ops)
     costs["fsdp_unit_overhead_s"] = fsdp_unit_overhead(PROBE_ROUNDS)
     costs["checkpoint_overhead_s"] = checkpoint_overhead(PROBE_ROUNDS)
-    return costs
+    return costs, plain_op
 
 
 class _TPStack(torch.nn.Module):

@@ -55,6 +55,7 @@ def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
 # 9.5 for A @ B^T, the forward's, 16 for A^T @ B, the weight gradient's), and a training step runs
 # several of them, so a peak taken on one slow layout was exceeded (MFU 199% on a bf16 run).
 LAYOUTS = ((False, False), (False, True), (True, False), (True, True))
+LAYOUT_READINGS = 3  # each layout's best reading of these picks the fastest (one a busy host slowed misleads)
 
 
 def _best_seconds(product, repeats: int) -> float:
@@ -71,11 +72,11 @@ def peak_matmul_flops(
     product_of: Callable, sizes: tuple[int, ...] = (256, 512, 1024), repeats: int = 5
 ) -> float:
     """The best matmul FLOP/s over a few square sizes, in the operand layout that runs fastest
-    (picked at the smallest size, so the slow layouts cost little, on its best of 3 readings: one
+    (picked at the smallest size, so the slow layouts cost little, on its best of LAYOUT_READINGS: one
     reading a busy host slowed could pick a slower layout and understate the peak).
     `product_of(n, layout)` gives a function that runs one n x n product (of whichever framework
     the run computes with)."""
-    fastest = min(LAYOUTS, key=lambda layout: _best_seconds(product_of(sizes[0], layout), 3))
+    fastest = min(LAYOUTS, key=lambda layout: _best_seconds(product_of(sizes[0], layout), LAYOUT_READINGS))
     return max(2 * n**3 / _best_seconds(product_of(n, fastest), repeats) for n in sizes)
 
 
