@@ -837,10 +837,17 @@ def test_a_tune_plan_says_an_moe_blocks_checkpointing_hooks_are_priced_as_a_dens
     shrunk = "model.n_layers=2 model.dim=128 model.n_heads=4 model.n_kv_heads=2 model.head_dim=32 "
     shrunk += "model.moe_dim=64 model.num_experts=16 model.vocab_size=1024 train.seq_len=128"
     args = ["tune", str(RECIPES / "qwen3_30b_a3b.toml"), "--world", "2", "--plan", "--profile", str(priced)]
-    proc = run_cli([*args, *shrunk.split(), "fsdp.param_dtype=float32"], cwd=tmp_path, program="meshforge")
+    axis = ["--axis", "activation_checkpoint.mode=none,full"]
+    proc = run_cli(
+        [*args, *axis, *shrunk.split(), "fsdp.param_dtype=float32"], cwd=tmp_path, program="meshforge"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())
     assert "checkpointed MoE blocks: their hooks are priced at a dense block's" in said, proc.stdout
+    # piped, the table is as wide as it needs: in rich's 80 columns its step cells read "0.041…"
+    assert "…" not in proc.stdout and re.search(r"│ cp2-ep2-mode=full\s+│ 0\.\d{3,}", proc.stdout), (
+        proc.stdout
+    )
     assert "does not price FSDP's hooks per unit" in said and "checkpointing's hooks" not in said
 
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from meshforge.cli.parsers import parse_axes, run_parser, subcommand_parsers
-from meshforge.cli.run import run_loaded, wide
+from meshforge.cli.run import run_loaded
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
 from meshforge.configs.explain import explain_table
 from meshforge.core.errors import (
@@ -32,6 +32,7 @@ from meshforge.core.errors import (
     UsageError,
 )
 from meshforge.core.logs import setup_logging
+from meshforge.core.tables import wide
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)

@@ -15,14 +15,10 @@ from rich.table import Table
 
 from meshforge.configs import Recipe
 from meshforge.core.errors import RecipeError
+from meshforge.core.tables import wide
 
 console = Console(soft_wrap=True)
 log = logging.getLogger("meshforge.cli")
-
-
-def wide(c: Console) -> Console:
-    """`c` on a terminal; else a console wide enough that no path or value is wrapped."""
-    return c if c.is_terminal else Console(width=1000, soft_wrap=True)
 
 
 def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:

@@ -26,6 +26,7 @@ from rich.table import Table
 from scipy.optimize import least_squares
 
 from meshforge.core.errors import UsageError
+from meshforge.core.tables import wide
 from meshforge.core.topology import ParallelDims
 from meshforge.experiments.compare import find_runs
 from meshforge.recipe import load_recipe
@@ -145,7 +146,7 @@ def refine(profile: Profile, paths: list[Path], console: Console) -> Profile:
     refined = scaled(profile, factors)
     before = [r.predict(profile) / r.step_s - 1 for r in runs]
     after = [r.predict(refined) / r.step_s - 1 for r in runs]
-    console.print(_fit_table(runs, before, after, factors, profile.name))
+    wide(console).print(_fit_table(runs, before, after, factors, profile.name))
     moved = _factors_text(factors, flag_bound=False)
     source = (
         f"{profile.source}\nrefined by {len(runs)} measured runs ({', '.join(map(str, paths))}): {moved}; "

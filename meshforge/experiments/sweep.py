@@ -25,7 +25,7 @@ from rich.table import Table
 from meshforge.configs import Recipe, RecipeError
 from meshforge.configs.schema import SweepConfig
 from meshforge.core.logs import log_level_name
-from meshforge.core.tables import add_name_column
+from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.grid import grid_points, mesh_shapes
@@ -191,7 +191,7 @@ def _print_plan(rows: list[dict], device_memory_gib: float | None, console: Cons
     ]
     table_rows.sort(key=lambda r: r.get("total", float("inf")))
     memory = device_memory_gib * GiB if device_memory_gib is not None else None
-    out = console if console.is_terminal else Console(width=160)
+    out = wide(console)
     out.print(estimate_table(table_rows, memory))
     for line in estimate_refusals(table_rows):
         out.print(line, highlight=False, soft_wrap=True)
@@ -225,7 +225,7 @@ def choose_launcher(launcher: str, world: int, device: str) -> str:
 
 def _report(base: Recipe, group: str, sweep_dir: Path, record: Path, console: Console) -> None:
     rows = list(read_rows(record).values())
-    (console if console.is_terminal else Console(width=150)).print(summary_table(rows))
+    wide(console).print(summary_table(rows))
     for r in rows:
         if r["status"] != "finished":
             console.print(f"  {r['label']}: {r['status']}: {r.get('error', '')}", highlight=False)

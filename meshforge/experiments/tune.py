@@ -25,7 +25,7 @@ from rich.table import Table
 from meshforge.configs import RecipeError
 from meshforge.configs.inert import unread_on_mesh
 from meshforge.configs.loader import recipe_to_toml
-from meshforge.core.tables import add_name_column
+from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.experiments.grid import grid_points, point_label
@@ -96,7 +96,7 @@ def tune(
         ]
         rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]
     ranked = rank_predicted(rows)
-    console.print(predicted_table(ranked, profile, limit))
+    wide(console).print(predicted_table(ranked, profile, limit))
     for line in [batch_caveat(ranked), *untraced_caveats(base, points, profile.checkpoint_overhead_s > 0)]:
         if line:
             console.print(line, highlight=False)
@@ -136,7 +136,7 @@ def tune(
     with open(record, "w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "traced"}) + "\n")
-    console.print(confirmed_table(chosen, own))
+    wide(console).print(confirmed_table(chosen, own))
     _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console)
     flat = [{**r, **_flat(r)} for r in chosen]
     log_wandb_table(base, group, "tune_summary", flat, list(_flat(chosen[0])) if chosen else [], tune_dir)

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError, load_config
-from meshforge.core.tables import add_name_column
+from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
@@ -325,7 +325,7 @@ def print_estimate(
 ) -> None:
     """`meshforge estimate`: the table (wide when not on a terminal) and the refused layouts."""
     rows = estimate_rows(recipe_path, overrides, world, all_meshes, traced=not analytic)
-    out = console if console.is_terminal else Console(width=160)
+    out = wide(console)
     out.print(estimate_table(rows, device_memory))
     for line in estimate_refusals(rows) + estimate_caveats(load_config(recipe_path, overrides)[0]):
         out.print(line, highlight=False, soft_wrap=True)
