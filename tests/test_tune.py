@@ -5,6 +5,7 @@ simulation, processor sharing, and the command end to end."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 
@@ -15,6 +16,7 @@ import torch._functorch.config as functorch_config
 from conftest import QUICK, RECIPES, run_cli, slurm_env
 
 from meshforge.configs.schema import ActivationCheckpointConfig
+from meshforge.core.tables import wide
 from meshforge.core.topology import ParallelDims
 from meshforge.experiments.grid import Point
 from meshforge.experiments.tune import rank_predicted
@@ -694,6 +696,12 @@ def test_the_tables_show_each_points_whole_name_in_80_columns():
         assert all(re.search(rf"│ {label}\b", shown[-1]) for label in labels), shown[-1]
         assert "…" not in shown[-1], shown[-1]
     assert "dp2-tp2-pp2 *" in shown[1] and "* the recipe's own layout" in shown[1]
+    # off a terminal (a pipe, a log file) every table prints at its own width, where it was written to
+    piped = io.StringIO()
+    wide(Console(file=piped, width=40)).print(predicted_table(rows, CPU, None))
+    assert "…" not in piped.getvalue() and all(
+        re.search(rf"│ {label}\b", piped.getvalue()) for label in labels
+    )
 
 
 def test_a_pipelines_host_work_repeats_with_its_schedule():

@@ -12,8 +12,8 @@ from rich.table import Table
 def wide(console: Console) -> Console:
     """`console` on a terminal; else (a pipe, a log file, a Slurm job's output) one wide enough that
     no table cuts a number and no path or value is wrapped: rich gives a pipe 80 columns, where
-    tune's step column read "0.041…" for 0.04178."""
-    return console if console.is_terminal else Console(width=1000, soft_wrap=True)
+    tune's step column read "0.041…" for 0.04178. It writes where `console` does."""
+    return console if console.is_terminal else Console(file=console.file, width=1000, soft_wrap=True)
 
 
 def add_name_column(table: Table, header: str, names: Iterable[str]) -> None:
