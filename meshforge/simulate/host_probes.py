@@ -145,7 +145,7 @@ def dtensor_op_overhead(per_op: float) -> float:
     return max(0.0, seconds - cost.ops * per_op) / max(1, cost.dtensor_ops)
 
 
-def fsdp_unit_overhead(rounds: int = 1) -> float:
+def fsdp_unit_overhead() -> float:
     """Seconds of host work per FSDP unit per microbatch (its forward and backward) beyond the ops
     it dispatches: FSDP2's hooks in Python (unsharding, copy-in and -out, resharding, the
     reduce-scatter's bookkeeping). The tiny Llama's step wrapped as a run wraps it (per block, the
@@ -157,12 +157,12 @@ def fsdp_unit_overhead(rounds: int = 1) -> float:
     try:
         model, tokens = _tiny_llama()
         apply_fsdp(model, init_device_mesh("cpu", (2,)), FSDPConfig())  # as a run wraps it
-        return hooks_beyond_ops(tiny_llama_step(), llama_step(model, tokens), fsdp_units(model), rounds)
+        return hooks_beyond_ops(tiny_llama_step(), llama_step(model, tokens), fsdp_units(model))
     finally:
         dist.destroy_process_group()
 
 
-def checkpoint_overhead(rounds: int = 1) -> float:
+def checkpoint_overhead() -> float:
     """Seconds of host work per checkpointed block per microbatch (its forward and backward) beyond
     the ops it dispatches, the recompute's included: torch's non-reentrant checkpoint packs and
     unpacks every tensor the block saves through Python hooks, twice (forward, recompute) with a
@@ -174,18 +174,16 @@ def checkpoint_overhead(rounds: int = 1) -> float:
     model, tokens = _tiny_llama()
     full = ActivationCheckpointConfig(mode="full")
     apply_ac(model, full)
-    return hooks_beyond_ops(
-        tiny_llama_step(), llama_step(model, tokens), checkpointed_blocks(model, full), rounds
-    )
+    return hooks_beyond_ops(tiny_llama_step(), llama_step(model, tokens), checkpointed_blocks(model, full))
 
 
-def hooks_beyond_ops(plain: Callable[[], None], hooked: Callable[[], None], units: int, rounds: int) -> float:
+def hooks_beyond_ops(plain: Callable[[], None], hooked: Callable[[], None], units: int) -> float:
     """Seconds per unit that `hooked` (the same step with `units` units' hooks) takes beyond its
-    ops priced at `plain`'s cost per op. Both timed in each of `rounds` rounds, back to back, and
+    ops priced at `plain`'s cost per op. Both timed in each of PROBE_ROUNDS rounds, back to back, and
     the least of each kept apart: a slow plain reading would price the ops high and read the hooks
     low, so the least of the differences would pick the rounds a busy host disturbed."""
     plain_cost, hooked_cost = cost_of(plain), cost_of(hooked)
-    readings = [(median_seconds(plain), median_seconds(hooked)) for _ in range(rounds)]
+    readings = [(median_seconds(plain), median_seconds(hooked)) for _ in range(PROBE_ROUNDS)]
     per_op = min(p for p, _ in readings) / plain_cost.ops
     return max(0.0, min(h for _, h in readings) - hooked_cost.ops * per_op) / units
 
@@ -209,8 +207,8 @@ def host_costs(device: str = "cpu") -> tuple[dict[str, float], float]:
     costs["dtensor_op_overhead_s"] = least_of(dtensor_op_overhead, plain_op)
     # FSDP2's and checkpointing's hooks: the host's, too; differences of two steps, each step's
     # least reading kept apart (hooks_beyond_ops)
-    costs["fsdp_unit_overhead_s"] = fsdp_unit_overhead(PROBE_ROUNDS)
-    costs["checkpoint_overhead_s"] = checkpoint_overhead(PROBE_ROUNDS)
+    costs["fsdp_unit_overhead_s"] = fsdp_unit_overhead()
+    costs["checkpoint_overhead_s"] = checkpoint_overhead()
     return costs, plain_op
 
 
