@@ -1,5 +1,5 @@
 """Can the torch module itself serve `backend = "jax"`? The same recipe's steps three ways on
-one mesh: torch (gloo processes), JAX with the hand-written twin (models/llama_jax.py), and
+one mesh: torch (gloo processes), JAX with the hand-written twin (models/common/jax_decoder.py), and
 JAX with torchax running the torch `Transformer` under `jax.jit` (the JAX trainer with its
 forward swapped): steady step time, and each one's largest loss and grad-norm difference from
 torch's, step by step, from the same init and data.
@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from recorded import provenance, save  # noqa: E402  (benchmarks/recorded.py)
 
 from meshforge.jax.trainer import JaxTrainer  # noqa: E402
-from meshforge.models import args_from_config, get_model_spec, llama_jax  # noqa: E402
+from meshforge.models import args_from_config, get_model_spec  # noqa: E402
+from meshforge.models.common import jax_decoder  # noqa: E402
 from meshforge.recipe import load_recipe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def run_torchax(steps: int, out: Path) -> None:
         return module_forward({**params, **buffers}, (tokens,)).astype(jnp.float32)
 
     def token_ce_sum(params, tokens, labels, args, ignore_index):
-        return llama_jax.token_ce_sum(params, tokens, labels, args, ignore_index, fwd=forward)
+        return jax_decoder.token_ce_sum(params, tokens, labels, args, ignore_index, fwd=forward)
 
     trainer._token_ce_sum = token_ce_sum  # read when the step is first traced
     trainer.run()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from recorded import provenance, save  # benchmarks/recorded.py
 
-from meshforge.models.llama import LlamaArgs, Transformer
+from meshforge.models.llama3.model import LlamaArgs, Transformer
 from meshforge.run.observe.flops import flops_per_token, measure_cpu_matmul_flops
 from meshforge.run.train.optim import build_optimizer
 

@@ -18,7 +18,7 @@ from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import IncompatibleWeights
 from meshforge.interop.weights import ArrayReader, WeightReader, hf_reader_for, load_into
 from meshforge.models import args_from_config, get_model_spec, spec_of
-from meshforge.models.hf_names import save_hf_shards
+from meshforge.models.common.hf_names import save_hf_shards
 from meshforge.run.checkpoint.dcp import (
     SafeFileSystemReader,
     dcp_load,

@@ -14,7 +14,7 @@ from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
-from meshforge.models.moe import has_experts
+from meshforge.models.common.moe import has_experts
 from meshforge.parallelisms.ac import unknown_ops
 from meshforge.parallelisms.cp import ATTENTION, shape_problems
 from meshforge.parallelisms.ep import check_ep

@@ -1,26 +1,28 @@
-"""meshforge.models: TorchTitan-style transformers, each family registered with everything
-about itself (models/spec.py), and the registry of their shapes."""
+"""meshforge.models: TorchTitan-style transformers, one folder per family (its module, TP plan,
+JAX twin and weight adapter, registered as a ModelSpec: models/common/spec.py), the pieces they
+share (models/common/) and the registry of their shapes."""
 
-from .llama import LlamaArgs, Transformer, count_params
+from .common.decoder import Transformer, count_params
+from .common.spec import ModelSpec
 from .registry import (
     MODELS,
     args_from_config,
     family_of_hf,
     get_model_spec,
     model_args,
+    register,
     spec_of,
     unknown_overrides,
 )
-from .spec import ModelSpec
 
 __all__ = [
-    "LlamaArgs",
     "ModelSpec",
     "Transformer",
     "count_params",
     "MODELS",
     "get_model_spec",
     "model_args",
+    "register",
     "args_from_config",
     "family_of_hf",
     "spec_of",

@@ -1,4 +1,5 @@
-"""Model registry: family name -> ModelSpec, and a recipe's [model] section -> model args.
+"""Model registry: family name -> ModelSpec (one line per family, its folder holds the rest),
+and a recipe's [model] section -> model args.
 
 Flavors carry the exact published shapes; recipes may override single fields
 (model.n_layers=2, ...) to run a GPU recipe on a laptop.
@@ -15,13 +16,24 @@ from omegaconf import ListConfig
 from meshforge.configs.schema import ModelConfig
 from meshforge.core.errors import UnsupportedConfig
 
-from . import llama_family, qwen3_family, qwen3_moe_family
-from .hf_config import read_config
-from .spec import ModelSpec
+from . import llama3, qwen3, qwen3_moe
+from .common.hf_config import read_config
+from .common.spec import ModelSpec
 
-MODELS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (llama_family.SPEC, qwen3_family.SPEC, qwen3_moe_family.SPEC)
-}
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Add a family (its folder's SPEC) under its name; a name taken by another spec is refused."""
+    if MODELS.get(spec.name, spec) is not spec:
+        raise ValueError(f"model family {spec.name!r} is registered already; pick another name")
+    MODELS[spec.name] = spec
+    return spec
+
+
+register(llama3.SPEC)
+register(qwen3.SPEC)
+register(qwen3_moe.SPEC)
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -2,7 +2,7 @@
 
 A mixture-of-experts block compiles its attention and runs the rest eager: the MoE's routing
 decides how many rows each expert (and, under ep, each rank) gets, shapes a full graph cannot hold,
-and it keeps the step's statistics on the host (models/moe.py); a norm module alone has no frame
+and it keeps the step's statistics on the host (models/common/moe.py); a norm module alone has no frame
 of ours to compile (torch.nn's are skipped)."""
 
 from __future__ import annotations

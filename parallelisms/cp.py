@@ -29,7 +29,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.configs.schema import CPConfig
-from meshforge.models.moe import moe_layers
+from meshforge.models.common.moe import moe_layers
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:

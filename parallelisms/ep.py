@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims, divisors
-from meshforge.models.moe import GroupedExperts, balanced, has_experts, moe_layers
+from meshforge.models.common.moe import GroupedExperts, balanced, has_experts, moe_layers
 
 
 class ExpertParallel:

@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
 from meshforge.configs.schema import PPConfig
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import divisors
-from meshforge.models.moe import moe_layers, uncounted
+from meshforge.models.common.moe import moe_layers, uncounted
 
 # The schedule families torch ships, by how stages sit on ranks
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # one stage per rank

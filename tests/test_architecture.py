@@ -39,7 +39,13 @@ ROOTS = {
     "meshforge.parallelisms": REPO / "parallelisms",
 }
 # modules whose import needs an optional extra (jax): imported inside the function that needs them
-OPTIONAL = ("meshforge.jax", "meshforge.models.llama_jax")
+OPTIONAL = (
+    "meshforge.jax",
+    "meshforge.models.common.jax_decoder",
+    "meshforge.models.llama3.jax",
+    "meshforge.models.qwen3.jax",
+    "meshforge.models.qwen3_moe.jax",
+)
 LOCAL_IMPORTS_ALLOWED = ("meshforge.cli",)  # start-up time: `run_recipe --help` must not import torch
 
 

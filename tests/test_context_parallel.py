@@ -147,8 +147,8 @@ MODEL_SEQ = 16
 
 def _model(family: str):
     """A tiny model of `family`, the same weights on every rank (seeded init)."""
-    from meshforge.models.llama import LlamaArgs, Transformer
-    from meshforge.models.qwen3 import Qwen3Args, Qwen3Transformer
+    from meshforge.models.llama3.model import LlamaArgs, Transformer
+    from meshforge.models.qwen3.model import Qwen3Args, Qwen3Transformer
 
     if family == "qwen3":  # QK-norm and half-split RoPE
         args = Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64, ffn_dim=48)

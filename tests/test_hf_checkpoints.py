@@ -23,7 +23,9 @@ from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe  # noqa: 
 
 from meshforge.core.errors import UnsupportedConfig  # noqa: E402
 from meshforge.jax.bridge import jax_twin, state_to_pytree  # noqa: E402
-from meshforge.models import MODELS, count_params, llama_hf, qwen3_hf, spec_of  # noqa: E402
+from meshforge.models import MODELS, count_params, spec_of  # noqa: E402
+from meshforge.models.llama3 import adapter as llama_hf  # noqa: E402
+from meshforge.models.qwen3 import adapter as qwen3_hf  # noqa: E402
 
 LLAMA = dict(
     hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128, max_position_embeddings=256
@@ -329,7 +331,7 @@ def test_export_writes_the_installed_transformers_config_format(monkeypatch):
     """transformers 5 reads rope_parameters; transformers 4 would ignore them (and silently use
     theta 10000), so without transformers 5 installed the config is written the old way,
     which both read. Either way it reads back to the same model."""
-    import meshforge.models.hf_config as hf_config
+    import meshforge.models.common.hf_config as hf_config
 
     args = MODELS["llama3"].flavors["1b"]
     for major, key in ((5, "rope_parameters"), (4, "rope_scaling"), (0, "rope_scaling")):

@@ -17,8 +17,8 @@ from conftest import RECIPES, run_cli  # noqa: E402
 from meshforge.core.errors import IncompatibleWeights  # noqa: E402
 from meshforge.jax.maxtext import from_maxtext, load_maxtext, maxtext_config, save_maxtext, to_maxtext  # noqa: E402
 from meshforge.models import get_model_spec  # noqa: E402
-from meshforge.models.llama import LlamaArgs  # noqa: E402
-from meshforge.models.qwen3 import Qwen3Args  # noqa: E402
+from meshforge.models.llama3.model import LlamaArgs  # noqa: E402
+from meshforge.models.qwen3.model import Qwen3Args  # noqa: E402
 from meshforge.run.checkpoint.dcp import load_full_model  # noqa: E402
 
 LLAMA = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=96)

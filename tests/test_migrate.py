@@ -555,7 +555,7 @@ def test_titan_flavors_import_as_torchtitan_builds_them():
 
     from meshforge.migrate.torchtitan import LLAMA3_FLAVORS
     from meshforge.models import count_params, get_model_spec
-    from meshforge.models.llama import LlamaArgs
+    from meshforge.models.llama3.model import LlamaArgs
 
     for flavor in ("debugmodel", "8B", "70B"):
         with torch.device("meta"):
@@ -567,7 +567,7 @@ def test_titan_flavors_import_as_torchtitan_builds_them():
     from torchtitan.models.qwen3 import qwen3_configs
 
     from meshforge.migrate.torchtitan_flavors import QWEN3_MOE_FLAVORS
-    from meshforge.models.qwen3_moe import Qwen3MoeArgs
+    from meshforge.models.qwen3_moe.model import Qwen3MoeArgs
 
     for flavor, args in QWEN3_MOE_FLAVORS.items():  # the same shapes in 0.2.0 and 0.3.0
         args = dict(args, mlp_only_layers=tuple(args["mlp_only_layers"]), max_seq_len=2048)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from meshforge.configs.schema import PPConfig
-from meshforge.models import LlamaArgs, Transformer, count_params, model_args
+from meshforge.models import Transformer, count_params, model_args
+from meshforge.models.llama3.model import LlamaArgs
 from meshforge.parallelisms.pp import split_model, stage_layout
 
 

@@ -13,7 +13,7 @@ from conftest import RECIPES
 from meshforge.configs import RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.models import get_model_spec
-from meshforge.models.moe import MoE, update_expert_bias
+from meshforge.models.common.moe import MoE, update_expert_bias
 from meshforge.parallelisms.ep import check_ep, expert_major_order
 from meshforge.recipe import load_recipe
 

@@ -26,8 +26,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # 
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig  # noqa: E402
 from meshforge.interop.weights import WeightReader, hf_reader_for, load_into  # noqa: E402
 from meshforge.jax.bridge import jax_twin, state_to_pytree  # noqa: E402
-from meshforge.models import MODELS, count_params, qwen3_moe_hf, spec_of  # noqa: E402
-from meshforge.models.qwen3_moe_family import active_params, total_params  # noqa: E402
+from meshforge.models import MODELS, count_params, spec_of  # noqa: E402
+from meshforge.models.qwen3_moe import active_params, total_params  # noqa: E402
+from meshforge.models.qwen3_moe import adapter as qwen3_moe_hf  # noqa: E402
 
 SPEC = MODELS["qwen3_moe"]
 BASE = dict(
@@ -98,7 +99,7 @@ def test_the_registry_gives_the_moe_family_its_own_formats_and_twin():
     """Qwen3MoeArgs is a Qwen3Args: the family of its args must still be qwen3_moe's."""
     args = SPEC.flavors["debug"]
     assert spec_of(args) is SPEC and spec_of(MODELS["qwen3"].flavors["debug"]) is MODELS["qwen3"]
-    assert jax_twin(args).__name__ == "meshforge.models.qwen3_moe_jax"
+    assert jax_twin(args).__name__ == "meshforge.models.qwen3_moe.jax"
 
 
 @pytest.mark.parametrize("name,kwargs", CASES, ids=IDS)

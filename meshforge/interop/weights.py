@@ -1,7 +1,7 @@
 """Weights in, a slice at a time: torch <-> numpy bit-exactly, and readers that give any
 slice of any parameter (our names) from safetensors files or arrays in memory, so each rank
 (or JAX device) reads only its own shard. The name maps and row permutations come from the
-model family's `interop` module (models/spec.py).
+model family's `interop` module (models/common/spec.py).
 """
 
 from __future__ import annotations

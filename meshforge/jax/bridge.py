@@ -1,4 +1,4 @@
-"""Torch -> JAX: arrays (DLPack), weights (a pytree for models/llama_jax.py), shardings
+"""Torch -> JAX: arrays (DLPack), weights (a pytree for models/common/jax_decoder.py), shardings
 (DeviceMesh placements -> PartitionSpec), and the parity check between the two models.
 
 Needs the `jax` extra (`pip install -e ".[jax]"`); on CPU,
@@ -56,7 +56,7 @@ def to_torch(a: jax.Array) -> torch.Tensor:
 def state_to_pytree(
     state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, consume: bool = False
 ) -> dict[str, jax.Array]:
-    """A torch state dict -> the flat pytree models/llama_jax.py takes (copies, bit-exact).
+    """A torch state dict -> the flat pytree models/common/jax_decoder.py takes (copies, bit-exact).
     consume=True empties `state` as it goes, so (with no other reference to the tensors)
     the host holds one parameter twice at most, never the whole model."""
     out = {}
@@ -124,7 +124,7 @@ def read_sharded(reader, shardings: dict) -> dict[str, jax.Array]:
 
 
 def jax_twin(args):
-    """The JAX twin module of the family whose args `args` are (models/spec.py)."""
+    """The JAX twin module of the family whose args `args` are (models/common/spec.py)."""
     return importlib.import_module(spec_of(args).jax_twin)
 
 

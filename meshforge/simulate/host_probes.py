@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshforge.configs.schema import ActivationCheckpointConfig, FSDPConfig
-from meshforge.models.llama import LlamaArgs, Transformer
+from meshforge.models.llama3.model import LlamaArgs, Transformer
 from meshforge.parallelisms.ac import apply_ac, checkpointed_blocks
 from meshforge.parallelisms.fsdp import apply_fsdp, fsdp_units
 from meshforge.simulate.op_costs import CostRecorder, PhaseCost

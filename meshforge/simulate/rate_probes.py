@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from meshforge.models.llama import LlamaArgs, Transformer
+from meshforge.models.llama3.model import LlamaArgs, Transformer
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.simulate.hardware import MAX_MODEL_RATE_SHARE, Profile
 from meshforge.simulate.host_probes import llama_step, median_seconds, seconds_and_cost

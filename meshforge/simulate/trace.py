@@ -19,7 +19,7 @@ from meshforge.configs import Recipe
 from meshforge.core.tensors import local_tensor
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config
-from meshforge.models.moe import has_experts
+from meshforge.models.common.moe import has_experts
 from meshforge.parallelisms import to_empty
 from meshforge.parallelisms.ac import checkpointed_blocks
 from meshforge.parallelisms.cp import forget_cached_tensors

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
-from meshforge.models.moe import has_experts
+from meshforge.models.common.moe import has_experts
 from meshforge.parallelisms.fsdp import DTYPES
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshforge.models.moe import unpicked_params
+from meshforge.models.common.moe import unpicked_params
 from meshforge.parallelisms.fsdp import DTYPES
 from meshforge.run.launch.distributed import DistEnv
 

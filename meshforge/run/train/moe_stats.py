@@ -2,7 +2,7 @@
 layer's per-expert load, aux-loss sum and computed rows from every rank, move aux-free balancing's
 bias, and turn them into the metrics a MoE user reads (`moe/*`).
 
-Each MoE keeps its own step statistics (models/moe.py); a rank holds its pipeline stages' layers and
+Each MoE keeps its own step statistics (models/common/moe.py); a rank holds its pipeline stages' layers and
 routes its own tokens (its dp, cp and ep part), tp ranks route the same ones. So the statistics,
 laid out (n_layers, E + 2) with zeros where a rank has no such layer, are summed over the world and
 divided by tp: the global load of every layer, on every rank.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshforge.core.errors import IncompatibleWeights
-from meshforge.models.moe import MoE, has_experts, moe_layers, update_expert_bias
+from meshforge.models.common.moe import MoE, has_experts, moe_layers, update_expert_bias
 
 
 class MoEStats:

@@ -1,4 +1,4 @@
-"""Tensor-parallel plans for the Llama family: module FQN -> ParallelStyle, as literal dicts.
+"""Tensor-parallel plans for the shared decoder: module FQN -> ParallelStyle, as literal dicts.
 
 Megatron-style: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each
 block needs one all-reduce (or, with sequence parallel, an all-gather before and a

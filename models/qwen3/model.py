@@ -3,7 +3,7 @@ head_dim, RMSNorm on each query and key head before RoPE (QK-norm), and RoPE rot
 (i, i + head_dim/2) pairs, HF's and Qwen's own layout (so HF weights load unpermuted).
 
 Tied embeddings for the small flavors. Pipeline-friendly and meta-device friendly exactly
-as models/llama.py, whose blocks it reuses.
+as models/common/decoder.py, whose blocks it reuses.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .llama import Attention, Transformer, apply_rotary_emb_half
+from meshforge.models.common.decoder import Attention, Transformer, apply_rotary_emb_half
 
 
 @dataclass

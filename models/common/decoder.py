@@ -1,4 +1,6 @@
-"""Llama 3 decoder in TorchTitan's style and module names.
+"""The decoder every family composes, in TorchTitan's style and module names (Llama 3's
+shape: GQA attention with RoPE, SwiGLU feed-forward, RMSNorm; a family swaps its attention
+or its blocks in).
 
 Pipeline-friendly: blocks live in an `nn.ModuleDict` keyed "0".."n-1" (names survive a
 pipeline split and checkpoints), top-level modules may be None on a pipeline stage, and
@@ -11,53 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshforge.core.seeding import seeded_generator
-
-
-@dataclass
-class LlamaArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None = n_heads (no GQA)
-    vocab_size: int = 128256
-    multiple_of: int = 256  # FFN hidden size rounded up to this, for efficient matmuls
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    # Llama 3 RoPE frequency scaling (None disables): stretches low frequencies for long context
-    rope_scaling_factor: float | None = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 8192
-    tie_embeddings: bool = False
-    ffn_dim: int | None = None  # explicit FFN width (an HF intermediate_size); None = the rule below
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """`ffn_dim` if given, else TorchTitan's (and Meta's) rule: 2/3 of 4*dim, times the
-        multiplier, rounded up to `multiple_of`."""
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
 def precompute_freqs_cis(args) -> torch.Tensor:
@@ -111,7 +72,7 @@ class Attention(nn.Module):
     rope = staticmethod(apply_rotary_emb)
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
@@ -152,7 +113,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs, attention: type[Attention] = Attention):
+    def __init__(self, args, attention: type[Attention] = Attention):
         super().__init__()
         self.attention = attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
@@ -170,7 +131,7 @@ class Transformer(nn.Module):
     # (None: positions 0..S-1); RoPE rotates each token by its own position
     rope_positions: torch.Tensor | None = None
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)

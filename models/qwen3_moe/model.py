@@ -1,7 +1,7 @@
 """Qwen3-MoE in TorchTitan's style and module names: Qwen3's attention (QK-norm) with a mixture-
 of-experts feed-forward (`layers.N.moe`: router, grouped experts) in the sparse layers, and a
 SwiGLU `feed_forward` in the rest (`mlp_only_layers`, `decoder_sparse_step`, as transformers
-decides). Pipeline- and meta-device friendly exactly as models/llama.py.
+decides). Pipeline- and meta-device friendly exactly as models/common/decoder.py.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from meshforge.core.seeding import seeded_generator
-
-from .llama import TransformerBlock
-from .moe import MoE, is_moe_layer, moe_layers
-from .qwen3 import Qwen3Args, Qwen3Attention, Qwen3Transformer
+from meshforge.models.common.decoder import TransformerBlock
+from meshforge.models.common.moe import MoE, is_moe_layer, moe_layers
+from meshforge.models.qwen3.model import Qwen3Args, Qwen3Attention, Qwen3Transformer
 
 
 @dataclass

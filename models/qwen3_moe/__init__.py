@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims
+from meshforge.models.common.moe import LOAD_BALANCE, unpicked_params
+from meshforge.models.common.spec import ModelSpec
+from meshforge.models.qwen3 import check as check_qwen3
 
-from . import qwen3_moe_hf
-from .moe import LOAD_BALANCE, unpicked_params
-from .qwen3_family import check as check_qwen3
-from .qwen3_moe import Qwen3MoeArgs, Qwen3MoeTransformer
-from .qwen3_moe_tp_plan import block_plan, top_level_plan
-from .spec import ModelSpec
+from . import adapter
+from .model import Qwen3MoeArgs, Qwen3MoeTransformer
+from .tp_plan import block_plan, top_level_plan
 
 # Shapes of the published config.json files (parameter counts, total and active: checked against
 # transformers' Qwen3MoeForCausalLM built from the same config, tests/test_moe_hf.py)
@@ -117,6 +117,6 @@ SPEC = ModelSpec(
     tp_top_level_plan=top_level_plan,
     tp_block_plan=block_plan,
     check=check,
-    interop=qwen3_moe_hf,
-    jax_twin="meshforge.models.qwen3_moe_jax",
+    interop=adapter,
+    jax_twin="meshforge.models.qwen3_moe.jax",
 )

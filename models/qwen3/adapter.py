@@ -10,8 +10,16 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import check_compatible, decoder_args, decoder_config, expect, read_config, refuse
-from .hf_names import (
+from meshforge.models.common.hf_config import (
+    check_compatible,
+    decoder_args,
+    decoder_config,
+    expect,
+    read_config,
+    refuse,
+)
+from meshforge.models.common.hf_names import (
+    DECODER_LAYER,
     HFNames,
     from_torchtitan,
     load_hf_state,
@@ -21,8 +29,8 @@ from .hf_names import (
     save_hf_state,
     to_torchtitan,
 )
-from .llama_hf import HF_LAYER as LLAMA_LAYER
-from .qwen3 import Qwen3Args
+
+from .model import Qwen3Args
 
 # re-exported: the family's interop interface (models/spec.py)
 __all__ = [
@@ -35,7 +43,7 @@ __all__ = [
 ]
 
 HF_LAYER = {
-    **LLAMA_LAYER,
+    **DECODER_LAYER,
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }

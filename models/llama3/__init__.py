@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import ParallelDims
+from meshforge.models.common.checks import check_heads_on_mesh
+from meshforge.models.common.spec import ModelSpec
 
-from . import llama_hf
-from .checks import check_heads_on_mesh
-from .llama import LlamaArgs, Transformer
-from .llama_tp_plan import block_plan, top_level_plan
-from .spec import ModelSpec
+from . import adapter
+from .model import LlamaArgs, Transformer
+from .tp_plan import block_plan, top_level_plan
 
 FLAVORS: dict[str, LlamaArgs] = {
     # tiny: trains on a CPU in seconds; 4 layers so pp=2 x 2 virtual stages still works
@@ -83,7 +83,7 @@ FLAVORS: dict[str, LlamaArgs] = {
 
 
 def check(a: LlamaArgs, dims: ParallelDims) -> list[Problem]:
-    """Llama fixes head_dim = dim / n_heads; then the rules of every decoder (models/checks.py)."""
+    """Llama fixes head_dim = dim / n_heads; then the rules of every decoder (models/common/checks.py)."""
     problems = []
     if a.dim % a.n_heads:
         valid = [a.n_heads * k for k in range(1, a.dim // a.n_heads + 2)]
@@ -105,6 +105,6 @@ SPEC = ModelSpec(
     tp_top_level_plan=top_level_plan,
     tp_block_plan=block_plan,
     check=check,
-    interop=llama_hf,
-    jax_twin="meshforge.models.llama_jax",
+    interop=adapter,
+    jax_twin="meshforge.models.llama3.jax",
 )

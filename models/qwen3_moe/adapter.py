@@ -1,6 +1,6 @@
 """The Qwen3-MoE family's weight formats: HuggingFace `Qwen3MoeForCausalLM` and TorchTitan names.
 
-Attention, norms and the dense layers' MLP are named as Qwen3's (models/qwen3_hf.py). The router
+Attention, norms and the dense layers' MLP are named as Qwen3's (models/qwen3/adapter.py). The router
 is `mlp.gate.weight`. Our experts are three (E, out, in) tensors; transformers 5 holds them in
 memory fused (`mlp.experts.gate_up_proj` (E, 2 moe_dim, dim): gate rows, then up rows;
 `mlp.experts.down_proj`), but its save_pretrained writes, and the published checkpoints hold, one
@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 from meshforge.core.errors import IncompatibleWeights
-
-from . import hf_config as _hf_config
-from .hf_config import decoder_args, decoder_config, expect, read_config, refuse
-from .hf_names import (
+from meshforge.models.common import hf_config as _hf_config
+from meshforge.models.common.hf_config import decoder_args, decoder_config, expect, read_config, refuse
+from meshforge.models.common.hf_names import (
     HFNames,
     from_torchtitan,
     load_hf_state,
@@ -31,9 +30,10 @@ from .hf_names import (
     save_hf_state,
     to_torchtitan,
 )
-from .moe import is_moe_layer
-from .qwen3_hf import HF_LAYER as QWEN3_LAYER
-from .qwen3_moe import Qwen3MoeArgs
+from meshforge.models.common.moe import is_moe_layer
+from meshforge.models.qwen3.adapter import HF_LAYER as QWEN3_LAYER
+
+from .model import Qwen3MoeArgs
 
 # re-exported: the family's interop interface (models/spec.py)
 __all__ = [

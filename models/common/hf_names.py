@@ -16,6 +16,17 @@ HF_TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+DECODER_LAYER = {  # ours -> HF, within a block of the shared decoder
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

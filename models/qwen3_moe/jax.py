@@ -1,5 +1,5 @@
-"""The Qwen3-MoE forward and loss of models/qwen3_moe.py as pure functions of a JAX pytree keyed by
-the torch parameter names: Qwen3's attention (models/qwen3_jax.py), the dense layers' SwiGLU, and
+"""The Qwen3-MoE forward and loss of models/qwen3_moe/model.py as pure functions of a JAX pytree keyed by
+the torch parameter names: Qwen3's attention (models/qwen3/jax.py), the dense layers' SwiGLU, and
 the mixture of experts computed densely, a parity oracle rather than a fast path: every expert
 runs on every token, and each token sums its top-k experts' outputs weighted by the router (the
 others weighted by zero). The same numbers as the torch model's dispatch, to rounding."""
@@ -9,17 +9,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshforge.models import llama_jax
-from meshforge.models.moe import is_moe_layer
-from meshforge.models.qwen3_jax import apply_rope_half
-from meshforge.models.qwen3_moe import Qwen3MoeArgs
+from meshforge.models.common import jax_decoder
+from meshforge.models.common.jax_decoder import apply_rope_half
+from meshforge.models.common.moe import is_moe_layer
+
+from .model import Qwen3MoeArgs
 
 
 def route(p: dict, prefix: str, x: jax.Array, args: Qwen3MoeArgs) -> jax.Array:
     """x (T, D) -> the router's weight of every expert for every token (T, E), zero outside each
     token's top-k: softmax in float32, top-k (chosen with aux_free's `expert_bias` added, weighted
     by the probabilities alone), renormalised when norm_topk_prob, in x's dtype."""
-    logits = llama_jax.linear(x, p[f"{prefix}.router.gate.weight"])
+    logits = jax_decoder.linear(x, p[f"{prefix}.router.gate.weight"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     chooser = probs
     if args.load_balance == "aux_free" and f"{prefix}.expert_bias" in p:
@@ -45,26 +46,26 @@ def moe(p: dict, prefix: str, x: jax.Array, args: Qwen3MoeArgs) -> jax.Array:
 
 def forward(params: dict, tokens: jax.Array, args: Qwen3MoeArgs) -> jax.Array:
     """tokens (B, S) int -> logits (B, S, V), float32."""
-    cos, sin = llama_jax.rope_angles(args, tokens.shape[1])
+    cos, sin = jax_decoder.rope_angles(args, tokens.shape[1])
     h = params["tok_embeddings.weight"][tokens]
     for i in range(args.n_layers):
         pre = f"layers.{i}"
-        normed = llama_jax.rms_norm(h, params[f"{pre}.attention_norm.weight"], args.norm_eps)
-        h = h + llama_jax.attention(
+        normed = jax_decoder.rms_norm(h, params[f"{pre}.attention_norm.weight"], args.norm_eps)
+        h = h + jax_decoder.attention(
             params, f"{pre}.attention", normed, cos, sin, args, rope=apply_rope_half, qk_norm=True
         )
-        normed = llama_jax.rms_norm(h, params[f"{pre}.ffn_norm.weight"], args.norm_eps)
+        normed = jax_decoder.rms_norm(h, params[f"{pre}.ffn_norm.weight"], args.norm_eps)
         if is_moe_layer(args, i):
             h = h + moe(params, f"{pre}.moe", normed, args)
         else:
-            h = h + llama_jax.feed_forward(params, f"{pre}.feed_forward", normed)
-    h = llama_jax.rms_norm(h, params["norm.weight"], args.norm_eps)
+            h = h + jax_decoder.feed_forward(params, f"{pre}.feed_forward", normed)
+    h = jax_decoder.rms_norm(h, params["norm.weight"], args.norm_eps)
     out = params.get("output.weight", params["tok_embeddings.weight"])  # tied: the embedding
-    return llama_jax.linear(h, out).astype(jnp.float32)
+    return jax_decoder.linear(h, out).astype(jnp.float32)
 
 
 def token_ce_sum(
     params: dict, tokens: jax.Array, labels: jax.Array, args: Qwen3MoeArgs, ignore_index: int = -100
 ) -> tuple[jax.Array, jax.Array]:
     """Sum of token cross-entropies over labels != ignore_index, and how many tokens that is."""
-    return llama_jax.token_ce_sum(params, tokens, labels, args, ignore_index, fwd=forward)
+    return jax_decoder.token_ce_sum(params, tokens, labels, args, ignore_index, fwd=forward)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims
+from meshforge.models.common.checks import check_heads_on_mesh
+from meshforge.models.common.spec import ModelSpec
 
-from . import qwen3_hf
-from .checks import check_heads_on_mesh
-from .qwen3 import Qwen3Args, Qwen3Transformer
-from .qwen3_tp_plan import block_plan, top_level_plan
-from .spec import ModelSpec
+from . import adapter
+from .model import Qwen3Args, Qwen3Attention, Qwen3Transformer
+from .tp_plan import block_plan, top_level_plan
+
+__all__ = ["SPEC", "Qwen3Args", "Qwen3Attention", "Qwen3Transformer", "check"]
 
 # Shapes of the published Qwen3 config.json files (parameter counts: tests/test_qwen3.py
 # checks ours against transformers' Qwen3ForCausalLM built from the same config)
@@ -42,7 +44,7 @@ FLAVORS: dict[str, Qwen3Args] = {
 
 
 def check(a: Qwen3Args, dims: ParallelDims) -> list[Problem]:
-    """The rules of every decoder (models/checks.py); head_dim is explicit, so dim is free."""
+    """The rules of every decoder (models/common/checks.py); head_dim is explicit, so dim is free."""
     problems = []
     if a.head_dim % 2:
         problems.append(Problem("model.head_dim", a.head_dim, "RoPE rotates pairs: head_dim must be even"))
@@ -57,6 +59,6 @@ SPEC = ModelSpec(
     tp_top_level_plan=top_level_plan,
     tp_block_plan=block_plan,
     check=check,
-    interop=qwen3_hf,
-    jax_twin="meshforge.models.qwen3_jax",
+    interop=adapter,
+    jax_twin="meshforge.models.qwen3.jax",
 )

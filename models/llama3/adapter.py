@@ -1,7 +1,7 @@
 """The Llama family's weight formats: HuggingFace `LlamaForCausalLM` and TorchTitan names.
 
 Our parameter names are TorchTitan's classic Llama 3 names (TorchTitan 0.3.0 saves
-`attention.qkv_linear.wq.weight` and `lm_head.weight`: models/hf_names.py). HuggingFace
+`attention.qkv_linear.wq.weight` and `lm_head.weight`: models/common/hf_names.py). HuggingFace
 rotates q and k by halves (rotate_half) where Meta/TorchTitan rotate interleaved pairs, so
 the rows of wq and wk are permuted per head on the way to HF and back (as HF's own
 convert_llama_weights_to_hf does). Registered as the family's `interop` (models/spec.py).
@@ -13,8 +13,15 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import check_compatible, decoder_args, decoder_config, expect, read_config
-from .hf_names import (
+from meshforge.models.common.hf_config import (
+    check_compatible,
+    decoder_args,
+    decoder_config,
+    expect,
+    read_config,
+)
+from meshforge.models.common.hf_names import (
+    DECODER_LAYER,
     HFNames,
     from_torchtitan,
     load_hf_state,
@@ -25,7 +32,8 @@ from .hf_names import (
     save_hf_state,
     to_torchtitan,
 )
-from .llama import LlamaArgs
+
+from .model import LlamaArgs
 
 # re-exported: the family's interop interface (models/spec.py)
 __all__ = [
@@ -38,17 +46,7 @@ __all__ = [
     "to_torchtitan",
 ]
 
-HF_LAYER = {  # ours -> HF, within a block
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
+HF_LAYER = DECODER_LAYER  # ours -> HF, within a block
 HF_MODEL_TYPE = "llama"
 
 

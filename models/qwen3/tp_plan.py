@@ -1,4 +1,4 @@
-"""Tensor-parallel plans for Qwen3: Llama's, plus the per-head QK-norms.
+"""Tensor-parallel plans for Qwen3: the decoder's, plus the per-head QK-norms.
 
 q and k leave their colwise projections as local head shards, (B, S, H/tp, hd). Their
 norms' weights are shared by every head, so each rank's gradient is a partial sum:
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from .llama_tp_plan import block_plan as llama_block_plan
-from .llama_tp_plan import top_level_plan
+from meshforge.models.common.tp_plan import block_plan as decoder_block_plan
+from meshforge.models.common.tp_plan import top_level_plan
 
 __all__ = ["block_plan", "top_level_plan"]
 
@@ -19,7 +19,7 @@ __all__ = ["block_plan", "top_level_plan"]
 def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """One transformer block, FQNs relative to the block."""
     return {
-        **llama_block_plan(sequence_parallel),
+        **decoder_block_plan(sequence_parallel),
         "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }

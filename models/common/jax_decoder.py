@@ -1,4 +1,5 @@
-"""The Llama 3 forward and loss of models/llama.py, as pure functions of a JAX pytree.
+"""The shared decoder's forward and loss (models/common/decoder.py), as pure functions of a JAX
+pytree; a family's JAX twin (models/<family>/jax.py) composes them.
 
 `params` is a flat dict keyed by the torch parameter names (`layers.0.attention.wq.weight`)
 holding arrays in torch's layout (Linear weights are (out, in)), so an exported
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshforge.models.llama import LlamaArgs, precompute_freqs_cis
+from meshforge.models.common.decoder import precompute_freqs_cis
 
 
 def rope_angles(args, seqlen: int) -> tuple[jax.Array, jax.Array]:
@@ -37,6 +38,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, S, 1, hd/2)
     out = jnp.stack([even * c - odd * s, even * s + odd * c], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate (i, i + hd/2) pairs, as HF's q * cos + rotate_half(q) * sin."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, S, 1, hd/2)
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
 def repeat_kv(x: jax.Array, n_rep: int) -> jax.Array:
@@ -79,9 +88,9 @@ def feed_forward(p: dict, prefix: str, x: jax.Array) -> jax.Array:
     )
 
 
-def forward(params: dict, tokens: jax.Array, args: LlamaArgs, **attention_kw) -> jax.Array:
+def forward(params: dict, tokens: jax.Array, args, **attention_kw) -> jax.Array:
     """tokens (B, S) int -> logits (B, S, V), float32. `attention_kw` (rope, qk_norm) lets
-    another family reuse the decoder (models/qwen3_jax.py)."""
+    a family swap its attention (models/qwen3/jax.py)."""
     cos, sin = rope_angles(args, tokens.shape[1])
     h = params["tok_embeddings.weight"][tokens]
     for i in range(args.n_layers):
@@ -104,7 +113,7 @@ def forward(params: dict, tokens: jax.Array, args: LlamaArgs, **attention_kw) ->
 
 
 def token_ce_sum(
-    params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs, ignore_index: int = -100, fwd=None
+    params: dict, tokens: jax.Array, labels: jax.Array, args, ignore_index: int = -100, fwd=None
 ) -> tuple[jax.Array, jax.Array]:
     """Sum of token cross-entropies over labels != ignore_index, and how many tokens that is
     (the torch trainer divides the sum by the global batch's token count). `fwd`: another
@@ -115,9 +124,7 @@ def token_ce_sum(
     return -jnp.sum(jnp.where(mask, picked, 0.0)), mask.sum()
 
 
-def loss_fn(
-    params: dict, tokens: jax.Array, labels: jax.Array, args: LlamaArgs, ignore_index: int = -100
-) -> jax.Array:
+def loss_fn(params: dict, tokens: jax.Array, labels: jax.Array, args, ignore_index: int = -100) -> jax.Array:
     """Mean token cross-entropy over labels != ignore_index."""
     total, n = token_ce_sum(params, tokens, labels, args, ignore_index)
     return total / jnp.maximum(n, 1)
