@@ -1,6 +1,6 @@
 """Weights across formats: seed checkpoints (`meshforge init` / `import`) and exports
-(`meshforge export --to safetensors|hf|torchtitan|jax|maxtext`). The family's `interop` module
-knows its names and row layouts; JAX formats need the `jax` extra."""
+(`meshforge export --to safetensors|hf|torchtitan|jax|maxtext`). The family's weight adapter
+(models/<family>/adapter.py) knows its names and row layouts; JAX formats need the `jax` extra."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ from meshforge.run.checkpoint.dcp import (
 def load_torchtitan_dcp(model: nn.Module, path: Path) -> None:
     """Fill `model` in place from a TorchTitan DCP checkpoint (its 0.3.0 or classic names,
     flat or under "model."): DCP reads straight into our parameters, no second copy."""
-    interop = spec_of(model.args).interop
+    adapter = spec_of(model.args).adapter
     ours = dict(model.named_parameters())
     metadata = SafeFileSystemReader(str(path)).read_metadata()
     state, found = {}, set()
     for key, meta in metadata.state_dict_metadata.items():
-        name = interop.name_from_torchtitan(key.removeprefix("model."))
+        name = adapter.name_from_torchtitan(key.removeprefix("model."))
         if name not in ours or not isinstance(meta, TensorStorageMetadata):
             continue  # optimizer, dataloader, RoPE cache, ...
         if tuple(meta.size) != tuple(ours[name].shape):
@@ -66,7 +66,7 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
     elif fmt == "maxtext":
         from meshforge.jax.maxtext import from_maxtext, load_maxtext  # the jax extra
 
-        state = from_maxtext(load_maxtext(source), spec_of(args).name, args)
+        state = from_maxtext(load_maxtext(source), args)
         load_into(model, ArrayReader(state, f"the MaxText checkpoint at {source}"))
     else:
         from meshforge.jax.bridge import load_pytree  # the jax extra
@@ -92,7 +92,7 @@ def export_checkpoint(
     if to == "hf":
         return export_hf(checkpoint, out, max_shard_bytes)
     model, args, meta = load_full_model(checkpoint)
-    interop = spec_of(args).interop
+    adapter = spec_of(args).adapter
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     del model  # `tensors` holds the only references: a consuming conversion frees as it goes
     if args.tie_embeddings:
@@ -100,16 +100,15 @@ def export_checkpoint(
     if to == "maxtext":
         from meshforge.jax.maxtext import maxtext_config, save_maxtext, to_maxtext  # the jax extra
 
-        family = meta["recipe"]["model"]["name"]
         arrays = {k: v.float().numpy() for k, v in tensors.items()}
-        return save_maxtext(to_maxtext(arrays, family, args), out, maxtext_config(family, args))
+        return save_maxtext(to_maxtext(arrays, args), out, maxtext_config(args))
     if to == "jax":
         from meshforge.jax.bridge import save_pytree, state_to_pytree  # the jax extra
 
         save_pytree(state_to_pytree(tensors, consume=True), out / "params")
     else:
         if to == "torchtitan":
-            tensors = interop.to_torchtitan(tensors)
+            tensors = adapter.to_torchtitan(tensors)
         save_file(
             tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])}
         )
@@ -125,7 +124,7 @@ def export_hf(checkpoint: Path, out: Path, max_shard_bytes: int | None = None) -
     shard; at most one shard is held. The run's tokenizer files are copied beside it."""
     meta = read_meta(checkpoint)
     args = model_args_of(meta)
-    interop = spec_of(args).interop
+    adapter = spec_of(args).adapter
     metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
     keys = [
         k
@@ -138,13 +137,13 @@ def export_hf(checkpoint: Path, out: Path, max_shard_bytes: int | None = None) -
             m = metadata.state_dict_metadata[key]
             t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
             dcp_load({key: t}, checkpoint)
-            converted = interop.tensor_to_hf(key.removeprefix("model."), t, args)
+            converted = adapter.tensor_to_hf(key.removeprefix("model."), t, args)
             if converted is not None:
                 yield converted
 
     dtype = str(metadata.state_dict_metadata[keys[0]].properties.dtype).removeprefix("torch.")
     kw = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-    save_hf_shards(pairs(), interop.hf_config(args, dtype), out, **kw)
+    save_hf_shards(pairs(), adapter.hf_config(args, dtype), out, **kw)
     tokenizer = meta["recipe"]["data"].get("tokenizer")
     if tokenizer and tokenizer != "byte" and Path(tokenizer).exists():  # a tokenizer.json or its folder
         folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent

@@ -84,9 +84,9 @@ def family_of_hf(folder: str | Path) -> str:
     """The registered family whose HF model_type the folder's config.json names."""
     model_type = read_config(Path(folder)).get("model_type")
     for spec in MODELS.values():
-        if spec.interop.HF_MODEL_TYPE == model_type:
+        if spec.adapter.hf_model_type == model_type:
             return spec.name
-    known = ", ".join(f"{s.interop.HF_MODEL_TYPE} ({s.name})" for s in MODELS.values())
+    known = ", ".join(f"{s.adapter.hf_model_type} ({s.name})" for s in MODELS.values())
     raise UnsupportedConfig(
         f"config.json: model_type = {model_type!r}: no registered family reads it; known: {known}"
     )
@@ -96,5 +96,5 @@ def args_from_config(cfg: ModelConfig) -> Any:
     """Model args for a recipe's [model] section: the flavor's (or, with model.hf, the HF
     folder's config.json's), with the size overrides applied."""
     spec = MODELS[cfg.name]
-    base = spec.interop.read_hf_args(Path(cfg.hf)) if cfg.hf else spec.flavors[cfg.flavor]
+    base = spec.adapter.read_hf_args(Path(cfg.hf)) if cfg.hf else spec.flavors[cfg.flavor]
     return dataclasses.replace(base, **overrides_of(cfg))

@@ -24,8 +24,8 @@ from conftest import QUICK, RECIPES, read_metrics, run_cli, run_recipe  # noqa: 
 from meshforge.core.errors import UnsupportedConfig  # noqa: E402
 from meshforge.jax.bridge import jax_twin, state_to_pytree  # noqa: E402
 from meshforge.models import MODELS, count_params, spec_of  # noqa: E402
-from meshforge.models.llama3 import adapter as llama_hf  # noqa: E402
-from meshforge.models.qwen3 import adapter as qwen3_hf  # noqa: E402
+from meshforge.models.llama3.adapter import ADAPTER as llama_hf  # noqa: E402
+from meshforge.models.qwen3.adapter import ADAPTER as qwen3_hf  # noqa: E402
 
 LLAMA = dict(
     hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128, max_position_embeddings=256
@@ -219,12 +219,12 @@ def test_round_trip_through_transformers_is_bit_exact(tmp_path, family):
     args = spec.flavors["debug"]
     model = spec.build(args)
     model.init_weights(seed=3)
-    spec.interop.save_hf(model.state_dict(), args, tmp_path / "ours")
-    model_cls = HF_CLASSES[spec.interop.HF_MODEL_TYPE][1]
+    spec.adapter.save_hf(model.state_dict(), args, tmp_path / "ours")
+    model_cls = HF_CLASSES[spec.adapter.hf_model_type][1]
     model_cls.from_pretrained(tmp_path / "ours").save_pretrained(tmp_path / "theirs")
-    back, back_args = spec.interop.load_hf(tmp_path / "theirs")
+    back, back_args = spec.adapter.load_hf(tmp_path / "theirs")
     assert (
-        spec.interop.check_compatible(back_args, args) == []
+        spec.adapter.check_compatible(back_args, args) == []
     )  # the same model (FFN width may be spelled apart)
     ours = {k: v for k, v in model.state_dict().items() if k in back}
     assert set(ours) == set(back) and all(torch.equal(ours[k], back[k]) for k in ours)

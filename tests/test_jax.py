@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from meshforge.interop import weights  # noqa: E402
 from meshforge.jax import bridge as jax_bridge  # noqa: E402
 from meshforge.models.common import jax_decoder as llama_jax  # noqa: E402
-from meshforge.models.llama3 import adapter as interop  # noqa: E402
+from meshforge.models.llama3.adapter import ADAPTER as interop  # noqa: E402
 from meshforge.models.llama3.model import LlamaArgs, Transformer  # noqa: E402
 
 # GQA (4 query heads, 2 kv heads) and Llama 3 RoPE scaling with a short original context,

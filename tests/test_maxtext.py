@@ -36,7 +36,7 @@ def _state(family: str, args) -> dict[str, np.ndarray]:
 def test_the_tree_has_maxtexts_names_and_shapes():
     """As MaxText 0.2.5 initialises these shapes (E 64, H 4, K 2, D 16, M 96, L 2): layers stacked
     on axis 1, query [E, L, H, D], out [H, L, D, E], the norms [dim, L]; Qwen3's q/k norms."""
-    tree = to_maxtext(_state("qwen3", QWEN3), "qwen3", QWEN3)
+    tree = to_maxtext(_state("qwen3", QWEN3), QWEN3)
     shapes = {k: v.shape for k, v in tree.items()}
     assert shapes["decoder/layers/self_attention/query/kernel"] == (64, 2, 4, 16)
     assert shapes["decoder/layers/self_attention/key/kernel"] == (64, 2, 2, 16)
@@ -57,7 +57,7 @@ def test_llama_s_query_carries_the_attention_scale_and_qwen3_s_does_not():
     time. A wrong Qwen3 scale hardly shows in logits (the norm cancels it): checked here."""
     for family, args, scale in (("llama3", LLAMA, 1 / 4), ("qwen3", QWEN3, 1.0)):
         state = _state(family, args)
-        query = to_maxtext(state, family, args)["decoder/layers/self_attention/query/kernel"]
+        query = to_maxtext(state, args)["decoder/layers/self_attention/query/kernel"]
         ours = state["layers.1.attention.wq.weight"].T.reshape(64, 4, 16) * scale
         np.testing.assert_array_equal(query[:, 1], ours)
 
@@ -65,9 +65,9 @@ def test_llama_s_query_carries_the_attention_scale_and_qwen3_s_does_not():
 @pytest.mark.parametrize("family, args", [("llama3", LLAMA), ("qwen3", QWEN3)], ids=["llama3", "qwen3_tied"])
 def test_a_written_checkpoint_reads_back_exactly(tmp_path, family, args):
     state = _state(family, args)
-    items = save_maxtext(to_maxtext(state, family, args), tmp_path / "mt", maxtext_config(family, args))
+    items = save_maxtext(to_maxtext(state, args), tmp_path / "mt", maxtext_config(args))
     assert items == tmp_path / "mt" / "0" / "items" and (tmp_path / "mt" / "maxtext_config.json").is_file()
-    back = from_maxtext(load_maxtext(tmp_path / "mt"), family, args)
+    back = from_maxtext(load_maxtext(tmp_path / "mt"), args)
     if args.tie_embeddings:
         state.pop("output.weight")  # the embedding's, written as MaxText's logits_dense
     assert set(back) == set(state)
@@ -78,18 +78,19 @@ def test_a_written_checkpoint_reads_back_exactly(tmp_path, family, args):
 def test_what_maxtext_would_compute_otherwise_is_refused():
     long_context = dataclasses.replace(LLAMA, rope_scaling_factor=32.0)  # Llama 3.2's: MaxText applies 8
     with pytest.raises(IncompatibleWeights, match="MaxText's llama3.1 rotary applies"):
-        to_maxtext(_state("llama3", LLAMA), "llama3", long_context)
+        to_maxtext(_state("llama3", LLAMA), long_context)
     with pytest.raises(IncompatibleWeights, match="no Llama 3 scaling"):
-        to_maxtext({}, "qwen3", dataclasses.replace(QWEN3, rope_scaling_factor=8.0))
-    with pytest.raises(IncompatibleWeights, match="dense llama3 and qwen3 families only"):
-        to_maxtext({}, "qwen3_moe", QWEN3)
-    tree = to_maxtext(_state("llama3", LLAMA), "llama3", LLAMA)
+        to_maxtext({}, dataclasses.replace(QWEN3, rope_scaling_factor=8.0))
+    moe = get_model_spec("qwen3_moe").flavors["debug"]
+    with pytest.raises(IncompatibleWeights, match="the families llama3, qwen3 only, not 'qwen3_moe'"):
+        to_maxtext({}, moe)
+    tree = to_maxtext(_state("llama3", LLAMA), LLAMA)
     del tree["decoder/layers/mlp/wo/kernel"]
     tree["decoder/layers/mlp/wi_0/kernel"] = tree["decoder/layers/mlp/wi_0/kernel"][:, :, :48]
     with pytest.raises(
         IncompatibleWeights, match=r"wi_0/kernel: \(64, 2, 48\) \(want \(64, 2, 96\)\).*wo/kernel: missing"
     ):
-        from_maxtext(tree, "llama3", LLAMA)
+        from_maxtext(tree, LLAMA)
 
 
 @pytest.mark.slow

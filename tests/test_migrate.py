@@ -394,7 +394,7 @@ def test_torchtitan_moe_refusals(tmp_path):
             import_config(_titan_moe_job(tmp_path, flavor), tmp_path / "x.toml", 8)
         [refused] = e.value.imported.unsupported
         assert (refused.key, refused.value) == ("model.flavor", f"qwen3/{flavor}")
-        assert "qwen3's MoE flavors (debugmodel_moe, 30B-A3B, 235B-A22B)" in refused.why
+        assert "qwen3's (debugmodel_moe, 30B-A3B, 235B-A22B)" in refused.why
 
     job = _titan_moe_job(
         tmp_path, tensor_parallel_degree=2, expert_parallel_degree=4, expert_tensor_parallel_degree=4
@@ -553,8 +553,8 @@ def test_titan_flavors_import_as_torchtitan_builds_them():
     import torch
     from torchtitan.models.llama3 import llama3_configs
 
-    from meshforge.migrate.torchtitan import LLAMA3_FLAVORS
     from meshforge.models import count_params, get_model_spec
+    from meshforge.models.llama3.adapter import TORCHTITAN_FLAVORS as LLAMA3_FLAVORS
     from meshforge.models.llama3.model import LlamaArgs
 
     for flavor in ("debugmodel", "8B", "70B"):
@@ -566,7 +566,7 @@ def test_titan_flavors_import_as_torchtitan_builds_them():
 
     from torchtitan.models.qwen3 import qwen3_configs
 
-    from meshforge.migrate.torchtitan_flavors import QWEN3_MOE_FLAVORS
+    from meshforge.models.qwen3_moe.adapter import TORCHTITAN_FLAVORS as QWEN3_MOE_FLAVORS
     from meshforge.models.qwen3_moe.model import Qwen3MoeArgs
 
     for flavor, args in QWEN3_MOE_FLAVORS.items():  # the same shapes in 0.2.0 and 0.3.0

@@ -28,7 +28,7 @@ from meshforge.interop.weights import WeightReader, hf_reader_for, load_into  # 
 from meshforge.jax.bridge import jax_twin, state_to_pytree  # noqa: E402
 from meshforge.models import MODELS, count_params, spec_of  # noqa: E402
 from meshforge.models.qwen3_moe import active_params, total_params  # noqa: E402
-from meshforge.models.qwen3_moe import adapter as qwen3_moe_hf  # noqa: E402
+from meshforge.models.qwen3_moe.adapter import ADAPTER as qwen3_moe_hf  # noqa: E402
 
 SPEC = MODELS["qwen3_moe"]
 BASE = dict(

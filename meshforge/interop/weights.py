@@ -1,7 +1,7 @@
 """Weights in, a slice at a time: torch <-> numpy bit-exactly, and readers that give any
 slice of any parameter (our names) from safetensors files or arrays in memory, so each rank
 (or JAX device) reads only its own shard. The name maps and row permutations come from the
-model family's `interop` module (models/common/spec.py).
+model family's weight adapter (models/common/adapter.py).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ class WeightReader:
     """
 
     def __init__(self, folder: Path, args, layout: str = "hf"):
-        self.args, self.interop, self.layout = args, spec_of(args).interop, layout
+        self.args, self.adapter, self.layout = args, spec_of(args).adapter, layout
         self._files = open_safetensors(Path(folder))
         self._where = {name: f for f in self._files for name in f.keys()}
         if not self._where:
             raise CheckpointNotFound(f"the safetensors files in {folder} hold no tensors")
 
     def source_name(self, name: str) -> str:
-        return self.interop.source_name(name, self.layout, self._where)
+        return self.adapter.source_name(name, self.layout, self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         src = self.source_name(name)
@@ -70,14 +70,14 @@ class WeightReader:
         sl = self._where[src].get_slice(src)
         shape = sl.get_shape()
         index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
-        heads = self.interop.hf_permuted_heads(name, self.args) if self.layout == "hf" else None
+        heads = self.adapter.hf_permuted_heads(name, self.args) if self.layout == "hf" else None
         if heads is None:
             return sl[index]
         rows, cols = index
         start, stop, _ = rows.indices(shape[0])
         hd = shape[0] // heads
         h0, h1 = start // hd, -(-stop // hd)  # the heads the rows touch
-        block = self.interop.permute_from_hf(sl[h0 * hd : h1 * hd, cols], h1 - h0)
+        block = self.adapter.permute_from_hf(sl[h0 * hd : h1 * hd, cols], h1 - h0)
         return block[start - h0 * hd : stop - h0 * hd]
 
 

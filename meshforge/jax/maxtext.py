@@ -1,4 +1,5 @@
-"""MaxText checkpoints of the dense Llama 3 and Qwen3 families, written and read.
+"""MaxText checkpoints of the dense families whose weight adapter names a MaxText decoder block
+(models/<family>/adapter.py: Llama 3's and Qwen3's), written and read.
 
 MaxText's decoder holds one parameter tree (`params/params/...` in an Orbax checkpoint, item
 `items` at step 0) with the layers scanned: each block's arrays stacked on axis 1
@@ -8,7 +9,7 @@ MaxText's decoder holds one parameter tree (`params/params/...` in an Orbax chec
 - kernels are `x @ W`: our `(out, in)` weights transposed, attention split into heads
   (query `[E, L, H, D]`, out `[H, L, D, E]`); w1/w3/w2 are MaxText's wi_0/wi_1/wo;
 - Llama's query kernel carries the attention scale 1/sqrt(head_dim) (MaxText folds it into the
-  weights; Qwen3, with q/k norms, scales at run time);
+  weights; Qwen3, with q/k norms, scales at run time): the adapter's `maxtext_query_scaled`;
 - RoPE: MaxText's `llama3.1` rotary (our Llama's: interleaved pairs, Llama 3.1 scaling with its
   factors 8/1/4/8192 fixed in MaxText's code) and its plain rotary for Qwen3 (rotate-half, ours too):
   no permutation either way, and any other RoPE scaling is refused, not approximated;
@@ -28,9 +29,11 @@ import orbax.checkpoint as ocp
 
 from meshforge.core.errors import IncompatibleWeights
 from meshforge.jax.bridge import nest
+from meshforge.models import MODELS, spec_of
+from meshforge.models.common.adapter import StateDictAdapter
+from meshforge.models.common.moe import has_experts
 
 SCAN_AXIS = 1  # MaxText's param_scan_axis
-LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)  # what MaxText's llama3.1 rotary applies, whatever the config says
 # (our name in a block, MaxText's under decoder/layers, how a (out, in) weight becomes its kernel)
 BLOCK = {
     "attention_norm.weight": "pre_self_attention_layer_norm/scale",
@@ -39,7 +42,7 @@ BLOCK = {
     "attention.wk.weight": "self_attention/key/kernel",
     "attention.wv.weight": "self_attention/value/kernel",
     "attention.wo.weight": "self_attention/out/kernel",
-    "attention.q_norm.weight": "self_attention/query_norm/scale",  # Qwen3
+    "attention.q_norm.weight": "self_attention/query_norm/scale",  # a family with q/k norms
     "attention.k_norm.weight": "self_attention/key_norm/scale",
     "feed_forward.w1.weight": "mlp/wi_0/kernel",
     "feed_forward.w3.weight": "mlp/wi_1/kernel",
@@ -47,36 +50,32 @@ BLOCK = {
 }
 
 
-def check_exportable(family: str, args) -> None:
-    """What MaxText's decoder cannot compute the same way is refused, naming it."""
-    if family not in ("llama3", "qwen3"):
-        raise IncompatibleWeights(
-            f"MaxText checkpoints: the dense llama3 and qwen3 families only, not {family!r}"
-        )
-    if getattr(args, "num_experts", 0):
+def maxtext_adapter(args) -> StateDictAdapter:
+    """The adapter of `args`' family, which must have a MaxText decoder block for these args
+    (its `maxtext_block` refuses what MaxText cannot compute the same way, naming it)."""
+    spec = spec_of(args)
+    if not has_maxtext(spec.adapter):
+        readable = ", ".join(s.name for s in MODELS.values() if has_maxtext(s.adapter))
+        raise IncompatibleWeights(f"MaxText checkpoints: the families {readable} only, not {spec.name!r}")
+    if has_experts(args):
         raise IncompatibleWeights("MaxText checkpoints: dense models only (this one has experts)")
-    scaling = args.rope_scaling_factor
-    if family == "qwen3" and scaling is not None:
-        raise IncompatibleWeights(
-            f"rope_scaling_factor={scaling}: MaxText's Qwen3 rotary has no Llama 3 scaling; set it to null"
-        )
-    own = (scaling, args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_seq_len)
-    if family == "llama3" and scaling is not None and own != LLAMA31_ROPE:
-        raise IncompatibleWeights(
-            f"RoPE scaling (factor, low, high, original length) = {own}: MaxText's llama3.1 rotary applies "
-            f"{LLAMA31_ROPE} whatever its config says, so its logits would differ; export a model with those "
-            "or with rope_scaling_factor=null"
-        )
+    spec.adapter.maxtext_block(args)  # raises for what MaxText would compute otherwise
+    return spec.adapter
 
 
-def maxtext_config(family: str, args) -> dict:
+def has_maxtext(adapter: StateDictAdapter) -> bool:
+    """Whether the family's adapter names a MaxText decoder block (overrides `maxtext_block`)."""
+    return type(adapter).maxtext_block is not StateDictAdapter.maxtext_block
+
+
+def maxtext_config(args) -> dict:
     """The MaxText config overrides (pyconfig keys) that read the exported tree as this model."""
     cfg = {
         "base_emb_dim": args.dim,
         "base_num_query_heads": args.n_heads,
-        "base_num_kv_heads": args.kv_heads if family == "llama3" else (args.n_kv_heads or args.n_heads),
+        "base_num_kv_heads": args.kv_heads,
         "head_dim": args.head_dim,
-        "base_mlp_dim": args.ffn_hidden_dim if family == "llama3" else args.ffn_dim,
+        "base_mlp_dim": args.ffn_hidden_dim,
         "base_num_decoder_layers": args.n_layers,
         "vocab_size": args.vocab_size,
         "normalization_layer_epsilon": args.norm_eps,
@@ -86,27 +85,20 @@ def maxtext_config(family: str, args) -> dict:
         "scan_layers": True,
         "param_scan_axis": SCAN_AXIS,
     }
-    if family == "llama3":
-        return {
-            **cfg,
-            "decoder_block": "llama2",
-            "rope_type": "llama3.1",
-            "rope_use_scale": args.rope_scaling_factor is not None,
-        }
-    return {**cfg, "decoder_block": "qwen3", "use_qk_norm": True, "normalize_embedding_logits": False}
+    return {**cfg, **maxtext_adapter(args).maxtext_block(args)}
 
 
-def to_maxtext(state: dict[str, np.ndarray], family: str, args) -> dict[str, np.ndarray]:
+def to_maxtext(state: dict[str, np.ndarray], args) -> dict[str, np.ndarray]:
     """Our state dict (numpy, full) -> MaxText's flat tree ('decoder/layers/mlp/wo/kernel': array)."""
-    check_exportable(family, args)
-    e, h, k, d = args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.head_dim
+    scaled = maxtext_adapter(args).maxtext_query_scaled
+    e, h, k, d = args.dim, args.n_heads, args.kv_heads, args.head_dim
     heads = {"wq": (e, h, d), "wk": (e, k, d), "wv": (e, k, d)}
 
     def kernel(name: str, w: np.ndarray) -> np.ndarray:
         proj = name.split(".")[1] if name.startswith("attention.w") else ""
         if proj in heads:
             w = w.T.reshape(heads[proj])
-            return w / np.sqrt(d).astype(w.dtype) if proj == "wq" and family == "llama3" else w
+            return w / np.sqrt(d).astype(w.dtype) if proj == "wq" and scaled else w
         if proj == "wo":
             return w.T.reshape(h, d, e)
         return w.T if name.startswith("feed_forward") else w
@@ -126,17 +118,19 @@ def to_maxtext(state: dict[str, np.ndarray], family: str, args) -> dict[str, np.
     return {name: np.ascontiguousarray(a) for name, a in tree.items()}
 
 
-def from_maxtext(tree: dict[str, np.ndarray], family: str, args) -> dict[str, np.ndarray]:
+def from_maxtext(tree: dict[str, np.ndarray], args) -> dict[str, np.ndarray]:
     """MaxText's flat tree -> our state dict; a missing or misshapen array is refused by name."""
-    check_exportable(family, args)
+    adapter = maxtext_adapter(args)
     e, d = args.dim, args.head_dim
-    expected = to_maxtext_shapes(family, args)
+    expected = to_maxtext_shapes(args)
     if bad := [
         f"{n}: {tree[n].shape if n in tree else 'missing'} (want {s})"
         for n, s in expected.items()
         if n not in tree or tuple(tree[n].shape) != s
     ]:
-        raise IncompatibleWeights(f"the MaxText tree is not this {family} model: " + "; ".join(bad[:4]))
+        raise IncompatibleWeights(
+            f"the MaxText tree is not this {spec_of(args).name} model: " + "; ".join(bad[:4])
+        )
     state = {
         "tok_embeddings.weight": tree["token_embedder/embedding"],
         "norm.weight": tree["decoder/decoder_norm/scale"],
@@ -149,7 +143,7 @@ def from_maxtext(tree: dict[str, np.ndarray], family: str, args) -> dict[str, np
         stacked = tree[f"decoder/layers/{theirs}"]
         for i in range(args.n_layers):
             w = np.take(stacked, i, axis=SCAN_AXIS)
-            if ours == "attention.wq.weight" and family == "llama3":
+            if ours == "attention.wq.weight" and adapter.maxtext_query_scaled:
                 w = w * np.sqrt(d).astype(w.dtype)
             if ours.startswith("attention.w"):  # heads back into rows: (E, heads, D) -> (heads*D, E)
                 w = w.reshape(e, -1).T if ours != "attention.wo.weight" else w.reshape(-1, e).T
@@ -159,10 +153,10 @@ def from_maxtext(tree: dict[str, np.ndarray], family: str, args) -> dict[str, np
     return state
 
 
-def to_maxtext_shapes(family: str, args) -> dict[str, tuple[int, ...]]:
+def to_maxtext_shapes(args) -> dict[str, tuple[int, ...]]:
     """Every array of the model's MaxText tree and its shape (what `from_maxtext` requires)."""
-    e, h, k, d, n = args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.head_dim, args.n_layers
-    m = args.ffn_hidden_dim if family == "llama3" else args.ffn_dim
+    e, h, k, d, n = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.n_layers
+    m = args.ffn_hidden_dim
     shapes = {
         "token_embedder/embedding": (args.vocab_size, e),
         "decoder/decoder_norm/scale": (e,),
@@ -177,7 +171,7 @@ def to_maxtext_shapes(family: str, args) -> dict[str, tuple[int, ...]]:
         "decoder/layers/mlp/wi_1/kernel": (e, n, m),
         "decoder/layers/mlp/wo/kernel": (m, n, e),
     }
-    if family == "qwen3":
+    if maxtext_adapter(args).maxtext_qk_norm:
         shapes["decoder/layers/self_attention/query_norm/scale"] = (d, n)
         shapes["decoder/layers/self_attention/key_norm/scale"] = (d, n)
     return shapes

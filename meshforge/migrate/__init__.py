@@ -19,8 +19,7 @@ from meshforge.configs.schema import ModelConfig
 from meshforge.core.errors import UsageError
 from meshforge.migrate.deepspeed import from_deepspeed
 from meshforge.migrate.report import Imported
-from meshforge.migrate.torchtitan import from_torchtitan
-from meshforge.migrate.torchtitan_flavors import FAMILIES
+from meshforge.migrate.torchtitan import from_torchtitan, torchtitan_families
 from meshforge.models import MODELS, args_from_config, get_model_spec
 from meshforge.recipe import load_recipe
 
@@ -98,7 +97,7 @@ def import_config(
         experts = getattr(args_from_config(model_cfg), "num_experts", None)
         imported = from_deepspeed(data, world, block_weights(model_cfg), experts)
     else:
-        flavors = {family: get_model_spec(family).flavors for family, _ in FAMILIES.values()}
+        flavors = {spec.name: spec.flavors for spec in torchtitan_families().values()}
         imported = from_torchtitan(data, world, flavors)
     if model is not None:  # the user's model wins over a TorchTitan file's (DeepSpeed's has router keys)
         if kind == "torchtitan":

@@ -13,9 +13,10 @@ import math
 from meshforge.core.errors import UsageError
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
-from meshforge.migrate.torchtitan_flavors import FAMILIES, LLAMA3_FLAVORS, QWEN3_MOE_FLAVORS
 from meshforge.migrate.torchtitan_float8 import float8
-from meshforge.migrate.torchtitan_moe import BALANCING, expert_parallel, moe_details
+from meshforge.migrate.torchtitan_moe import expert_parallel, moe_details
+from meshforge.models import MODELS, ModelSpec
+from meshforge.models.common.moe import has_experts
 from meshforge.parallelisms.pp import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES
 
 HELD_OUT = "TorchTitan's named datasets (c4_validation): point eval.path or eval.split at your copy"
@@ -55,12 +56,13 @@ NOT_MAPPED = {
     "validation.dataset": HELD_OUT,
     "validation.dataset_path": HELD_OUT,
 }
+TORCHTITAN_DEFAULT_MODEL = "llama3"  # TorchTitan's own JobConfig default for model.name
 UNSUPPORTED = {"fault_tolerance.enable": "TorchFT", "experimental": "custom TorchTitan extensions"}
 
 
 def from_torchtitan(data: dict, world: int | None, our_flavors: dict) -> Imported:
     """`our_flavors`: meshforge's flavors (family -> name -> args) of every family TorchTitan's
-    models import as (FAMILIES), to name the closest one."""
+    models import as (torchtitan_families), to name the closest one."""
     out, k = Imported("TorchTitan 0.2"), Keys(data)
     n_layers, moe = _model(k, out, our_flavors)
     dp, pp_microbatch = _parallelism(k, out, world, n_layers, moe)
@@ -95,32 +97,33 @@ def from_torchtitan(data: dict, world: int | None, our_flavors: dict) -> Importe
     return out
 
 
+def torchtitan_families() -> dict[str, ModelSpec]:
+    """TorchTitan's model.name -> the registered family whose adapter imports its flavors."""
+    return {s.adapter.torchtitan_model: s for s in MODELS.values() if s.adapter.torchtitan_model}
+
+
 def _model(k: Keys, out: Imported, our_flavors: dict) -> tuple[int, bool | None]:
     """The model's fields; returns its number of blocks (for the pipeline layout) and whether it has
     experts (None: the model is refused)."""
-    name, flavor = k.take("model.name", "llama3"), k.take("model.flavor", "debugmodel")
-    family, table = FAMILIES.get(name, (None, {}))
-    if flavor not in table:
-        out.refuse(
-            "model.flavor",
-            f"{name}/{flavor}",
-            f"meshforge imports TorchTitan's llama3 flavors ({', '.join(LLAMA3_FLAVORS)}) and qwen3's "
-            f"MoE flavors ({', '.join(QWEN3_MOE_FLAVORS)})",
-        )
+    name, flavor = k.take("model.name", TORCHTITAN_DEFAULT_MODEL), k.take("model.flavor", "debugmodel")
+    families = torchtitan_families()
+    spec = families.get(name)
+    if spec is None or flavor not in spec.adapter.torchtitan_flavors:
+        known = ", ".join(f"{n}'s ({', '.join(s.adapter.torchtitan_flavors)})" for n, s in families.items())
+        out.refuse("model.flavor", f"{name}/{flavor}", f"meshforge imports these TorchTitan flavors: {known}")
         return 0, None
-    want, flavors = table[flavor], our_flavors[family]
+    want, flavors = spec.adapter.torchtitan_flavors[flavor], our_flavors[spec.name]
     # the flavor of ours that matches in shape, else the smallest, with every difference overridden
     same = [n for n, a in flavors.items() if (a.dim, a.n_layers) == (want["dim"], want["n_layers"])]
     ours = same[0] if same else min(flavors, key=lambda n: flavors[n].dim)
-    out.set("model.name", family)
+    out.set("model.name", spec.name)
     out.set("model.flavor", ours)
     for field, value in want.items():
         have = getattr(flavors[ours], field)
         if (list(have) if isinstance(have, tuple) else have) != value:
             out.set(f"model.{field}", value)
-    if family == "qwen3_moe":
-        out.notes.append(BALANCING)
-    return want["n_layers"], family == "qwen3_moe"
+    out.notes.extend(spec.adapter.torchtitan_notes)
+    return want["n_layers"], has_experts(flavors[ours])
 
 
 def _context_parallel(cp: int, rotate: str, out: Imported) -> int:

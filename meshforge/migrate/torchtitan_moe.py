@@ -15,13 +15,6 @@ from meshforge.migrate.source import Keys
 
 EP = "parallelism.expert_parallel_degree"
 ETP = "parallelism.expert_tensor_parallel_degree"
-BALANCING = (
-    "qwen3 MoE: TorchTitan 0.2 routes by an expert bias (MoEArgs.load_balance_coeff = 1e-3) that its "
-    "qwen3 train spec never moves (no balancing hook until pytorch/torchtitan#3666) and adds no aux "
-    "loss: model.load_balance = aux_free with bias_update_rate = 0, unbalanced as there. "
-    "bias_update_rate = 1e-3 is the later releases' balancing (TorchTitan also subtracts the update's "
-    "mean from every bias: the same expert choices)"
-)
 
 
 def expert_parallel(k: Keys, out: Imported, moe: bool | None, dp_shard: int, cp: int, tp: int) -> None:

@@ -8,7 +8,7 @@ from meshforge.core.topology import ParallelDims
 from meshforge.models.common.checks import check_heads_on_mesh
 from meshforge.models.common.spec import ModelSpec
 
-from . import adapter
+from .adapter import ADAPTER
 from .model import Qwen3Args, Qwen3Attention, Qwen3Transformer
 from .tp_plan import block_plan, top_level_plan
 
@@ -59,6 +59,6 @@ SPEC = ModelSpec(
     tp_top_level_plan=top_level_plan,
     tp_block_plan=block_plan,
     check=check,
-    interop=adapter,
+    adapter=ADAPTER,
     jax_twin="meshforge.models.qwen3.jax",
 )

@@ -9,7 +9,7 @@ from meshforge.models.common.moe import LOAD_BALANCE, unpicked_params
 from meshforge.models.common.spec import ModelSpec
 from meshforge.models.qwen3 import check as check_qwen3
 
-from . import adapter
+from .adapter import ADAPTER
 from .model import Qwen3MoeArgs, Qwen3MoeTransformer
 from .tp_plan import block_plan, top_level_plan
 
@@ -117,6 +117,6 @@ SPEC = ModelSpec(
     tp_top_level_plan=top_level_plan,
     tp_block_plan=block_plan,
     check=check,
-    interop=adapter,
+    adapter=ADAPTER,
     jax_twin="meshforge.models.qwen3_moe.jax",
 )

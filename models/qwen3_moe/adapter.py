@@ -1,4 +1,5 @@
-"""The Qwen3-MoE family's weight formats: HuggingFace `Qwen3MoeForCausalLM` and TorchTitan names.
+"""Qwen3-MoE's weights in other formats: HuggingFace `Qwen3MoeForCausalLM`, TorchTitan's qwen3
+MoE names and flavors (MaxText: none, its decoder here is dense only).
 
 Attention, norms and the dense layers' MLP are named as Qwen3's (models/qwen3/adapter.py). The router
 is `mlp.gate.weight`. Our experts are three (E, out, in) tensors; transformers 5 holds them in
@@ -7,43 +8,26 @@ memory fused (`mlp.experts.gate_up_proj` (E, 2 moe_dim, dim): gate rows, then up
 tensor per expert (`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`): we write that and
 read either. Aux-free balancing's `expert_bias` has no HF counterpart (Qwen3MoeForCausalLM routes
 by the router alone): a nonzero one is refused on export, and a load leaves it at zero.
-Registered as the family's `interop` (models/spec.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
 from meshforge.core.errors import IncompatibleWeights
 from meshforge.models.common import hf_config as _hf_config
-from meshforge.models.common.hf_config import decoder_args, decoder_config, expect, read_config, refuse
-from meshforge.models.common.hf_names import (
-    HFNames,
-    from_torchtitan,
-    load_hf_state,
-    name_from_torchtitan,
-    name_to_torchtitan,
-    permute_from_hf,
-    save_hf_state,
-    to_torchtitan,
-)
+from meshforge.models.common.adapter import StateDictAdapter
+from meshforge.models.common.hf_config import decoder_args, decoder_config, refuse
+from meshforge.models.common.hf_names import HFNames, name_from_torchtitan
 from meshforge.models.common.moe import is_moe_layer
 from meshforge.models.qwen3.adapter import HF_LAYER as QWEN3_LAYER
+from meshforge.models.qwen3.adapter import SLIDING_WINDOW_KEYS, refuse_sliding_windows
 
 from .model import Qwen3MoeArgs
 
-# re-exported: the family's interop interface (models/spec.py)
-__all__ = [
-    "from_torchtitan",
-    "name_from_torchtitan",
-    "name_to_torchtitan",
-    "permute_from_hf",
-    "to_torchtitan",
-]
-
+FAMILY = "qwen3_moe"
 HF_LAYER = {**QWEN3_LAYER, "moe.router.gate.weight": "mlp.gate.weight"}
 # one HF tensor per expert, as save_pretrained writes them
 HF_EXPERTS = {
@@ -57,7 +41,6 @@ HF_FUSED = {
     "moe.experts.w3": ("mlp.experts.gate_up_proj", 1, 1, 2),
     "moe.experts.w2": ("mlp.experts.down_proj", 0, 0, 1),
 }
-HF_MODEL_TYPE = "qwen3_moe"
 
 
 def hf_permuted_heads(name: str, args: Qwen3MoeArgs) -> None:
@@ -82,36 +65,6 @@ class MoENames(HFNames):
         return super().tensor_to_hf(name, t, args)
 
 
-NAMES = MoENames(HF_LAYER, hf_permuted_heads, "Qwen3-MoE", stacked=HF_EXPERTS, fused=HF_FUSED)
-hf_name, to_hf, from_hf, source_name, tensor_to_hf = (
-    NAMES.hf_name,
-    NAMES.to_hf,
-    NAMES.from_hf,
-    NAMES.source_name,
-    NAMES.tensor_to_hf,
-)
-
-
-def hf_config(args: Qwen3MoeArgs, dtype: str = "float32") -> dict:
-    """config.json of the equivalent HF Qwen3MoeForCausalLM (`num_experts`, which transformers 4
-    and 5 both read; 5 itself writes `num_local_experts`)."""
-    return decoder_config(
-        args,
-        "Qwen3MoeForCausalLM",
-        HF_MODEL_TYPE,
-        dtype,
-        use_sliding_window=False,
-        num_experts=args.num_experts,
-        num_experts_per_tok=args.num_experts_per_tok,
-        moe_intermediate_size=args.moe_dim,
-        norm_topk_prob=args.norm_topk_prob,
-        decoder_sparse_step=args.decoder_sparse_step,
-        mlp_only_layers=list(args.mlp_only_layers),
-        router_aux_loss_coef=args.router_aux_loss_coef,
-        output_router_logits=False,
-    )
-
-
 MOE_KEYS = {
     "num_experts",
     "num_local_experts",
@@ -123,7 +76,6 @@ MOE_KEYS = {
     "router_aux_loss_coef",
     "output_router_logits",  # what HF returns (and adds to its loss), not the logits
 }
-ATTENTION_KEYS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 
 
 def num_experts_of(cfg: dict) -> int:
@@ -139,42 +91,6 @@ def num_experts_of(cfg: dict) -> int:
     return n
 
 
-def args_from_hf_config(cfg: dict) -> Qwen3MoeArgs:
-    """Qwen3MoeArgs of an HF Qwen3-MoE config.json (transformers 4 or 5 format); absent keys take
-    Qwen3MoeConfig's defaults, and every key that would change the math and that we do not
-    implement (shared experts, another router, sliding windows, ...) is refused by name."""
-    cfg = {"intermediate_size": 6144, **cfg}  # Qwen3MoeConfig's default (unused when all sparse)
-    fields = decoder_args(
-        cfg, "qwen3_moe", HF_MODEL_TYPE, MOE_KEYS | ATTENTION_KEYS, default_max_positions=32768
-    )
-    expect(cfg, "use_sliding_window", (False,), "sliding-window attention is not implemented")
-    if set(cfg.get("layer_types") or ["full_attention"]) != {"full_attention"}:
-        raise refuse("layer_types", cfg["layer_types"], "only full-attention layers are implemented")
-    n = num_experts_of(cfg)
-    k = cfg.get("num_experts_per_tok", 8)
-    if not isinstance(k, int) or not 1 <= k <= n:
-        raise refuse("num_experts_per_tok", k, f"top-k must be between 1 and num_experts = {n}")
-    step = cfg.get("decoder_sparse_step", 1)
-    if not isinstance(step, int) or step < 1:
-        raise refuse("decoder_sparse_step", step, "every step-th layer is sparse: it must be >= 1")
-    return Qwen3MoeArgs(
-        **fields,
-        head_dim=cfg.get("head_dim") or fields["dim"] // fields["n_heads"],
-        num_experts=n,
-        num_experts_per_tok=k,
-        moe_dim=cfg.get("moe_intermediate_size", 768),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # Qwen3MoeConfig's default: False
-        decoder_sparse_step=step,
-        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
-    )
-
-
-def read_hf_args(folder: Path) -> Qwen3MoeArgs:
-    """The args of the HF folder's config.json."""
-    return args_from_hf_config(read_config(folder))
-
-
 # how a model is trained, not what its weights compute
 TRAINING_FIELDS = ("router_aux_loss_coef", "load_balance", "bias_update_rate", "grouped_mm")
 
@@ -184,24 +100,136 @@ def sparse_layers(args: Qwen3MoeArgs) -> list[int]:
     return [i for i in range(args.n_layers) if is_moe_layer(args, i)]
 
 
-def check_compatible(checkpoint_args: Qwen3MoeArgs, recipe_args: Qwen3MoeArgs) -> list[str]:
-    """What differs between a checkpoint's model and the recipe's (empty when they match): the
-    shapes and numbers of hf_config.check_compatible, the router's, and which layers are sparse
-    (however decoder_sparse_step and mlp_only_layers spell it); training settings may differ."""
-    keep = (*TRAINING_FIELDS, "decoder_sparse_step", "mlp_only_layers")
-    same = dataclasses.replace(checkpoint_args, **{k: getattr(recipe_args, k) for k in keep})
-    diff = _hf_config.check_compatible(same, recipe_args)
-    ours, theirs = sparse_layers(checkpoint_args), sparse_layers(recipe_args)
-    if ours != theirs:
-        diff.append(f"sparse layers: checkpoint {ours}, recipe {theirs}")
-    return diff
+# TorchTitan 0.2's Qwen3 MoE flavors (torchtitan/models/qwen3/__init__.py at v0.2.0): every block
+# sparse, softmax top-k renormalised (route_norm), no shared experts, scores applied after the
+# experts, untied; MoEArgs.load_balance_coeff = 1e-3 keeps an expert bias, but 0.2's qwen3 train
+# spec registers no hook that moves it (build_optimizers; fixed after 0.2 by pytorch/torchtitan#3666)
+# and there is no aux loss: the bias stays 0, which is aux_free with a rate of 0. Its dense
+# Qwen3 flavors (debugmodel, 0.6B, ...) are not imported.
+_TORCHTITAN_ARGS = dict(
+    vocab_size=151936,
+    head_dim=128,
+    norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_embeddings=False,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    load_balance="aux_free",
+    bias_update_rate=0.0,
+)
+TORCHTITAN_FLAVORS = {
+    "debugmodel_moe": dict(
+        _TORCHTITAN_ARGS,
+        vocab_size=2048,
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim=3072,
+        moe_dim=768,
+        num_experts=64,
+        num_experts_per_tok=8,
+    ),
+    "30B-A3B": dict(
+        _TORCHTITAN_ARGS,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=6144,
+        moe_dim=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+    ),
+    # rope_theta 5e6 as TorchTitan's flavor has it (meshforge's 235b-a22b, from config.json: 1e6)
+    "235B-A22B": dict(
+        _TORCHTITAN_ARGS,
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        ffn_dim=12288,
+        moe_dim=1536,
+        num_experts=128,
+        num_experts_per_tok=8,
+        rope_theta=5000000.0,
+    ),
+}
+TORCHTITAN_BALANCING = (
+    "qwen3 MoE: TorchTitan 0.2 routes by an expert bias (MoEArgs.load_balance_coeff = 1e-3) that its "
+    "qwen3 train spec never moves (no balancing hook until pytorch/torchtitan#3666) and adds no aux "
+    "loss: model.load_balance = aux_free with bias_update_rate = 0, unbalanced as there. "
+    "bias_update_rate = 1e-3 is the later releases' balancing (TorchTitan also subtracts the update's "
+    "mean from every bias: the same expert choices)"
+)
 
 
-def save_hf(state: dict[str, torch.Tensor], args: Qwen3MoeArgs, out: Path, **kw) -> list:
-    """An HF folder: config.json + safetensors (one tensor per expert; sharded when large)."""
-    return save_hf_state(NAMES, hf_config, state, args, out, **kw)
+class Qwen3MoeAdapter(StateDictAdapter):
+    names = MoENames(HF_LAYER, hf_permuted_heads, "Qwen3-MoE", stacked=HF_EXPERTS, fused=HF_FUSED)
+    hf_model_type = "qwen3_moe"
+    torchtitan_model = "qwen3"
+    torchtitan_flavors = TORCHTITAN_FLAVORS
+    torchtitan_notes = (TORCHTITAN_BALANCING,)
+
+    def hf_config(self, args: Qwen3MoeArgs, dtype: str = "float32") -> dict:
+        """config.json of the equivalent HF Qwen3MoeForCausalLM (`num_experts`, which transformers 4
+        and 5 both read; 5 itself writes `num_local_experts`)."""
+        return decoder_config(
+            args,
+            "Qwen3MoeForCausalLM",
+            self.hf_model_type,
+            dtype,
+            use_sliding_window=False,
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_dim,
+            norm_topk_prob=args.norm_topk_prob,
+            decoder_sparse_step=args.decoder_sparse_step,
+            mlp_only_layers=list(args.mlp_only_layers),
+            router_aux_loss_coef=args.router_aux_loss_coef,
+            output_router_logits=False,
+        )
+
+    def args_from_hf_config(self, cfg: dict) -> Qwen3MoeArgs:
+        """Qwen3MoeArgs of an HF Qwen3-MoE config.json (transformers 4 or 5 format); absent keys take
+        Qwen3MoeConfig's defaults, and every key that would change the math and that we do not
+        implement (shared experts, another router, sliding windows, ...) is refused by name."""
+        cfg = {"intermediate_size": 6144, **cfg}  # Qwen3MoeConfig's default (unused when all sparse)
+        fields = decoder_args(
+            cfg, FAMILY, self.hf_model_type, MOE_KEYS | SLIDING_WINDOW_KEYS, default_max_positions=32768
+        )
+        refuse_sliding_windows(cfg)
+        n = num_experts_of(cfg)
+        k = cfg.get("num_experts_per_tok", 8)
+        if not isinstance(k, int) or not 1 <= k <= n:
+            raise refuse("num_experts_per_tok", k, f"top-k must be between 1 and num_experts = {n}")
+        step = cfg.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step < 1:
+            raise refuse("decoder_sparse_step", step, "every step-th layer is sparse: it must be >= 1")
+        return Qwen3MoeArgs(
+            **fields,
+            head_dim=cfg.get("head_dim") or fields["dim"] // fields["n_heads"],
+            num_experts=n,
+            num_experts_per_tok=k,
+            moe_dim=cfg.get("moe_intermediate_size", 768),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # Qwen3MoeConfig's default: False
+            decoder_sparse_step=step,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+        )
+
+    def check_compatible(self, checkpoint_args: Qwen3MoeArgs, recipe_args: Qwen3MoeArgs) -> list[str]:
+        """What differs between a checkpoint's model and the recipe's (empty when they match): the
+        shapes and numbers of hf_config.check_compatible, the router's, and which layers are sparse
+        (however decoder_sparse_step and mlp_only_layers spell it); training settings may differ."""
+        keep = (*TRAINING_FIELDS, "decoder_sparse_step", "mlp_only_layers")
+        same = dataclasses.replace(checkpoint_args, **{k: getattr(recipe_args, k) for k in keep})
+        diff = _hf_config.check_compatible(same, recipe_args)
+        ours, theirs = sparse_layers(checkpoint_args), sparse_layers(recipe_args)
+        if ours != theirs:
+            diff.append(f"sparse layers: checkpoint {ours}, recipe {theirs}")
+        return diff
 
 
-def load_hf(folder: Path) -> tuple[dict[str, torch.Tensor], Qwen3MoeArgs]:
-    """Our state dict and args from an HF folder (experts one per tensor or fused)."""
-    return load_hf_state(NAMES, read_hf_args, folder)
+ADAPTER = Qwen3MoeAdapter()
