@@ -8,6 +8,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -295,3 +296,67 @@ def test_the_import_check_sees_each_kind_of_side_effect(tmp_path):
     assert set(found) == {"warnings filters", "os.environ PLANTED", "matplotlib backend", "logger matplotlib"}
     assert found["os.environ PLANTED"] == [None, "1"]
     assert found["matplotlib backend"] == ["None", "'Agg'"]
+
+
+# Where a family's name may stand outside its folder, each for a reason the family cannot own.
+FAMILY_NAME_ALLOWED = {
+    ("configs/model_mesh.py", "llama3"): "the schema's default model.name (configs sits below models)",
+    ("meshforge/migrate/torchtitan.py", "llama3"): "TorchTitan's own default model.name",
+    ("meshforge/migrate/deepspeed_moe.py", "qwen3_moe"): "DeepSpeed AutoEP's preset_model value",
+    ("models/common/hf_config.py", "llama3"): "HF's rope_type of Llama 3 frequency scaling",
+    ("meshforge/simulate/host_probes.py", "meshforge.models.llama3.model"): "the probes time Llama 3",
+    ("meshforge/simulate/rate_probes.py", "meshforge.models.llama3.model"): "the probes time Llama 3",
+}
+
+
+def family_mentions(path: Path, families: list[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string literal that is a family's name and every identifier or
+    imported module that names one as a whole word (`llama3`, `LLAMA3_FLAVORS`, `.qwen3.`)."""
+    words = [re.compile(rf"(^|[._]){re.escape(f)}($|[._])") for f in families]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            texts = [node.value] if node.value in families else []
+        elif isinstance(node, ast.ImportFrom):
+            texts = [node.module or "", *(a.name for a in node.names)]
+        else:
+            texts = [getattr(node, a) for a in ("id", "attr", "name", "asname", "arg") if hasattr(node, a)]
+        found += [
+            (node.lineno, t) for t in texts if isinstance(t, str) and any(w.search(t.lower()) for w in words)
+        ]
+    return found
+
+
+def test_no_family_is_named_outside_its_folder():
+    """A family's name (its registry key) stands only in models/<family>/ and the registry's line
+    for it: every converter, parallelism and check asks the family's spec and adapter."""
+    from meshforge.models import MODELS
+
+    families = list(MODELS)
+    exempt = {REPO / "models" / f for f in families} | {REPO / "models" / "registry.py"}
+    found = []
+    for path in module_files().values():
+        if path in exempt or any(folder in path.parents for folder in exempt):
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        found += [
+            f"{rel}:{line}: {text}"
+            for line, text in family_mentions(path, families)
+            if (rel, text) not in FAMILY_NAME_ALLOWED
+        ]
+    assert found == []
+
+
+def test_the_family_check_sees_a_literal_an_identifier_and_an_import(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from meshforge.models.qwen3.model import Qwen3Args\n"
+        "LLAMA3_FLAVORS = {}\n"
+        "if family == 'qwen3_moe':\n"
+        "    note = 'the llama3 family, in prose'\n"
+    )
+    assert family_mentions(planted, ["llama3", "qwen3", "qwen3_moe"]) == [
+        (1, "meshforge.models.qwen3.model"),
+        (2, "LLAMA3_FLAVORS"),
+        (3, "qwen3_moe"),
+    ]
