@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshforge.models.common.decoder import precompute_freqs_cis
+from .decoder import precompute_freqs_cis
 
 
 def rope_angles(args, seqlen: int) -> tuple[jax.Array, jax.Array]:

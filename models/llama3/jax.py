@@ -3,6 +3,6 @@ RoPE rotates interleaved pairs with Llama 3 frequency scaling, as models/common/
 
 from __future__ import annotations
 
-from meshforge.models.common.jax_decoder import forward, loss_fn, token_ce_sum
+from ..common.jax_decoder import forward, loss_fn, token_ce_sum
 
 __all__ = ["forward", "loss_fn", "token_ce_sum"]

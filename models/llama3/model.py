@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshforge.models.common.decoder import Transformer
+from ..common.decoder import Transformer
 
 __all__ = ["LlamaArgs", "Transformer"]
 

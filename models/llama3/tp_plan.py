@@ -3,6 +3,6 @@ blocks are Llama 3's."""
 
 from __future__ import annotations
 
-from meshforge.models.common.tp_plan import block_plan, top_level_plan
+from ..common.tp_plan import block_plan, top_level_plan
 
 __all__ = ["block_plan", "top_level_plan"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims
-from meshforge.models.common.checks import check_heads_on_mesh
-from meshforge.models.common.spec import ModelSpec
 
+from ..common.checks import check_heads_on_mesh
+from ..common.spec import ModelSpec
 from .adapter import ADAPTER
 from .model import Qwen3Args, Qwen3Attention, Qwen3Transformer
 from .tp_plan import block_plan, top_level_plan

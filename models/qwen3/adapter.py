@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from meshforge.core.errors import IncompatibleWeights
-from meshforge.models.common.adapter import StateDictAdapter
-from meshforge.models.common.hf_config import decoder_args, decoder_config, expect, refuse
-from meshforge.models.common.hf_names import DECODER_LAYER, HFNames
 
+from ..common.adapter import StateDictAdapter
+from ..common.hf_config import decoder_args, decoder_config, expect, refuse
+from ..common.hf_names import DECODER_LAYER, HFNames
 from .model import Qwen3Args
 
 FAMILY = "qwen3"

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import jax
 
-from meshforge.models.common import jax_decoder
-from meshforge.models.common.jax_decoder import apply_rope_half
-
+from ..common import jax_decoder
+from ..common.jax_decoder import apply_rope_half
 from .model import Qwen3Args
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshforge.models.common.decoder import Attention, Transformer, apply_rotary_emb_half
+from ..common.decoder import Attention, Transformer, apply_rotary_emb_half
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from meshforge.models.common.tp_plan import block_plan as decoder_block_plan
-from meshforge.models.common.tp_plan import top_level_plan
+from ..common.tp_plan import block_plan as decoder_block_plan
+from ..common.tp_plan import top_level_plan
 
 __all__ = ["block_plan", "top_level_plan"]
 

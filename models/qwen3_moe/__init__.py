@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims
-from meshforge.models.common.moe import LOAD_BALANCE, unpicked_params
-from meshforge.models.common.spec import ModelSpec
-from meshforge.models.qwen3 import check as check_qwen3
 
+from ..common.moe import LOAD_BALANCE, unpicked_params
+from ..common.spec import ModelSpec
+from ..qwen3 import check as check_qwen3
 from .adapter import ADAPTER
 from .model import Qwen3MoeArgs, Qwen3MoeTransformer
 from .tp_plan import block_plan, top_level_plan

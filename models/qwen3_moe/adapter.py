@@ -17,14 +17,14 @@ import dataclasses
 import torch
 
 from meshforge.core.errors import IncompatibleWeights
-from meshforge.models.common import hf_config as _hf_config
-from meshforge.models.common.adapter import StateDictAdapter
-from meshforge.models.common.hf_config import decoder_args, decoder_config, refuse
-from meshforge.models.common.hf_names import HFNames, name_from_torchtitan
-from meshforge.models.common.moe import is_moe_layer
-from meshforge.models.qwen3.adapter import HF_LAYER as QWEN3_LAYER
-from meshforge.models.qwen3.adapter import SLIDING_WINDOW_KEYS, refuse_sliding_windows
 
+from ..common import hf_config as _hf_config
+from ..common.adapter import StateDictAdapter
+from ..common.hf_config import decoder_args, decoder_config, refuse
+from ..common.hf_names import HFNames, name_from_torchtitan
+from ..common.moe import is_moe_layer
+from ..qwen3.adapter import HF_LAYER as QWEN3_LAYER
+from ..qwen3.adapter import SLIDING_WINDOW_KEYS, refuse_sliding_windows
 from .model import Qwen3MoeArgs
 
 FAMILY = "qwen3_moe"

@@ -9,10 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshforge.models.common import jax_decoder
-from meshforge.models.common.jax_decoder import apply_rope_half
-from meshforge.models.common.moe import is_moe_layer
-
+from ..common import jax_decoder
+from ..common.jax_decoder import apply_rope_half
+from ..common.moe import is_moe_layer
 from .model import Qwen3MoeArgs
 
 

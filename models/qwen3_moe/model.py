@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from meshforge.core.seeding import seeded_generator
-from meshforge.models.common.decoder import TransformerBlock
-from meshforge.models.common.moe import MoE, is_moe_layer, moe_layers
-from meshforge.models.qwen3.model import Qwen3Args, Qwen3Attention, Qwen3Transformer
+
+from ..common.decoder import TransformerBlock
+from ..common.moe import MoE, is_moe_layer, moe_layers
+from ..qwen3.model import Qwen3Args, Qwen3Attention, Qwen3Transformer
 
 
 @dataclass

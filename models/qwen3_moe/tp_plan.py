@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 
-from meshforge.models.qwen3.tp_plan import block_plan as qwen3_block_plan
-from meshforge.models.qwen3.tp_plan import top_level_plan
+from ..qwen3.tp_plan import block_plan as qwen3_block_plan
+from ..qwen3.tp_plan import top_level_plan
 
 __all__ = ["block_plan", "top_level_plan"]
 
