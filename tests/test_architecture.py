@@ -302,7 +302,6 @@ def test_the_import_check_sees_each_kind_of_side_effect(tmp_path):
 FAMILY_NAME_ALLOWED = {
     ("configs/model_mesh.py", "llama3"): "the schema's default model.name (configs sits below models)",
     ("meshforge/migrate/torchtitan.py", "llama3"): "TorchTitan's own default model.name",
-    ("meshforge/migrate/deepspeed_moe.py", "qwen3_moe"): "DeepSpeed AutoEP's preset_model value",
     ("models/common/hf_config.py", "llama3"): "HF's rope_type of Llama 3 frequency scaling",
     ("meshforge/simulate/host_probes.py", "meshforge.models.llama3.model"): "the probes time Llama 3",
     ("meshforge/simulate/rate_probes.py", "meshforge.models.llama3.model"): "the probes time Llama 3",

@@ -14,6 +14,8 @@ import math
 from meshforge.core.errors import UsageError
 from meshforge.migrate.report import Imported
 from meshforge.migrate.source import MISSING, Keys
+from meshforge.models import MODELS
+from meshforge.models.common.moe import has_experts
 
 S = "expert_parallel"
 DETECTION = "how AutoEP finds the MoE blocks in the HF model's code: meshforge's qwen3_moe is built with them"
@@ -42,7 +44,6 @@ NOT_MAPPED = {
 }
 # key -> (the values meshforge's router matches, why another value is refused)
 ROUTER = {
-    "preset_model": ((None, "qwen3_moe"), "another MoE family: meshforge's is qwen3_moe"),
     "score_func": (("auto", "softmax"), "meshforge's router is a softmax"),
     "score_apply": (("auto", "post"), "routing weights applied before SwiGLU experts: other math"),
     "route_scale": ((1, 1.0), "scaled routing weights: meshforge's are the router's probabilities"),
@@ -122,11 +123,17 @@ def _router(k: Keys, out: Imported) -> None:
     ):
         if (v := k.take(f"{S}.{key}")) not in (MISSING, None, "auto"):
             out.set(f"model.{field}", v)
+    preset, presets = k.take(f"{S}.preset_model"), moe_model_types()
+    if preset in presets:  # the HF model_type of one of meshforge's MoE families
+        out.skip(f"{S}.preset_model", preset, DETECTION)
+    elif preset not in (MISSING, None):
+        out.refuse(f"{S}.preset_model", preset, f"another MoE family: meshforge's are {', '.join(presets)}")
     for key, (fine, why) in ROUTER.items():
         v = k.take(f"{S}.{key}")
-        if v is MISSING or v is None or (v in fine and key != "preset_model"):
-            continue
-        if v in fine:  # preset_model = "qwen3_moe": the model's family
-            out.skip(f"{S}.{key}", v, DETECTION)
-        else:
+        if v is not MISSING and v is not None and v not in fine:
             out.refuse(f"{S}.{key}", v, why)
+
+
+def moe_model_types() -> list[str]:
+    """AutoEP's preset_model names a HF model_type: those of the registered families with experts."""
+    return [s.adapter.hf_model_type for s in MODELS.values() if any(map(has_experts, s.flavors.values()))]
