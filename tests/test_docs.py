@@ -152,3 +152,18 @@ def test_the_readme_cross_framework_resume_runs_as_written(tmp_path):
     assert after[-1][:20] == after[1][:20] and after[1][:10] == after[0][:10]
     checkpoints = tmp_path / "outputs" / "debug_cpu" / "checkpoints"
     assert (checkpoints / "step-00000030" / "meta.json").exists()
+
+
+def test_a_benchmark_record_is_written_with_its_date_machine_and_commit(tmp_path):
+    """The header comes from the result's provenance (benchmarks/recorded.py), not from typing."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from recorded import provenance, save
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    result = {"rows": [], **provenance(), "commit": "abc1234"}
+    save(tmp_path, "demo", result, ["# A demo record", "", "| a |", "|---|"])
+    lines = (tmp_path / "demo.md").read_text().splitlines()
+    assert lines[0] == "# A demo record" and lines[2].endswith("measured at commit abc1234.")
+    assert result["date"] in lines[2] and result["machine"]["platform"] in lines[2]
+    assert json.loads((tmp_path / "demo.json").read_text())["commit"] == "abc1234"
