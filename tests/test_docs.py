@@ -167,3 +167,9 @@ def test_a_benchmark_record_is_written_with_its_date_machine_and_commit(tmp_path
     assert lines[0] == "# A demo record" and lines[2].endswith("measured at commit abc1234.")
     assert result["date"] in lines[2] and result["machine"]["platform"] in lines[2]
     assert json.loads((tmp_path / "demo.json").read_text())["commit"] == "abc1234"
+
+
+def test_every_docs_page_is_in_the_site_navigation_and_the_architecture_page_stays_short():
+    nav = set(re.findall(r":\s*(\S+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M))
+    assert nav == {p.name for p in DOCS.glob("*.md")}
+    assert len((DOCS / "architecture.md").read_text().splitlines()) <= 300
