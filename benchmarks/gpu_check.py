@@ -47,7 +47,7 @@ SYNTHETIC = [
     "data.tokenizer=byte",  # the synthetic source reads no tokenizer and shuffles no windows
     "data.shuffle_windows=0",
 ]
-# llm_1b warms up over 100 steps: after 50 its loss had moved only 11.76 -> 11.72 (2026-12-04),
+# llm_1b warms up over 100 steps: after 50 its loss had moved only 11.76 -> 11.72 on one H200,
 # too little for float8's loss check to mean anything; 5 steps of warm-up leave 45 at full rate
 LLM_1B_ONE_GPU = [
     *ONE_GPU,

@@ -5,9 +5,9 @@ every action one time unit). Measured: one launch per schedule on pp ranks (one 
 thread each, so 2 ranks use this machine's 2 cores without contention) against the same
 model and batch on one rank: with no bubble and free communication, the pipelined step
 would take T1 / pp, so the measured bubble is 1 - (T1 / pp) / T_pp. Steady steps only
-(the first two pay for warm-up), the median of 22 (24 steps a run; until 2026-12-04, 8 steps and
-the median of 6, which moved with the run by 3%); every launch in 3 passes, the mean of theirs
-(until 2026-12-06 one: a launch's bubble moved by 4 points between runs). Communication (gloo over loopback)
+(the first two pay for warm-up), the median of 22 (24 steps a run; the median of 6 of 8 steps
+moved with the run by 3%); every launch in 3 passes, the mean of theirs
+(one pass's bubble moved by 4 points between runs). Communication (gloo over loopback)
 and unequal stage costs (embedding, output head) count as bubble here, as they do for a user.
 
     python benchmarks/pipeline_bubble.py                         # writes benchmarks/results/
@@ -82,8 +82,8 @@ def measure(
     pp: int, microbatches: int, schedules: list[str], steps: int, overrides: list[str], passes: int = 1
 ) -> dict:
     """Every launch `passes` times, a whole pass (one rank, then each schedule) after another, each
-    step the mean of its passes: the same launch read GPipe's bubble 27.7% and 32.0% hours apart
-    (2026-12-06), more than its gap to 1F1B, whose two readings crossed it."""
+    step the mean of its passes: the same launch read GPipe's bubble 27.7% and 32.0% hours apart,
+    more than its gap to 1F1B, whose two readings crossed it."""
     times: dict[str, list[float]] = {}
     pipelined = {
         name: [

@@ -38,8 +38,11 @@ def git_head() -> str:
 
 
 def save(out: Path, name: str, result: dict, markdown: list[str]) -> None:
-    """`<out>/<name>.json` (the result) and `<out>/<name>.md` (the table a person reads)."""
+    """`<out>/<name>.json` (the result) and `<out>/<name>.md` (the table a person reads), whose
+    title is followed by the date, machine and commit unless its own header names the commit."""
     out.mkdir(parents=True, exist_ok=True)
+    if result.get("commit") and result["commit"] not in "\n".join(markdown[:8]):
+        markdown = [*markdown[:1], "", stamp(result), *markdown[1:]]
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text("\n".join(markdown) + "\n")
 
@@ -50,3 +53,10 @@ def at_least_one(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n}: at least 1")
     return n
+
+
+def stamp(result: dict) -> str:
+    """Where a record's numbers came from, in one line: date, machine, commit."""
+    machine = result.get("machine", {})
+    where = machine.get("gpu") or f"{machine.get('platform', '?')}, {machine.get('cpus', '?')} CPUs"
+    return f"{result.get('date', '?')}, {where}; measured at commit {result['commit']}."

@@ -158,7 +158,7 @@ def main() -> None:
         type=at_least_one,
         default=1,
         help="measure every point this many times, one pass after another, and judge the model "
-        "against their mean (the record since 2026-12-06 21:21 UTC: 2)",
+        "against their mean (the records in benchmarks/results/ take 2)",
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument(

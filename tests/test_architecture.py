@@ -1,4 +1,4 @@
-"""The layers of docs/DESIGN.md, checked from the source: every import of a meshforge module
+"""The layers of docs/architecture.md, checked from the source: every import of a meshforge module
 points down (or within its layer), no import cycle, and no meshforge import hidden inside a
 function (but for the CLI's start-up time and modules that need an optional extra)."""
 
@@ -146,7 +146,7 @@ def test_every_import_points_down_and_none_is_hidden():
     assert {"meshforge.configs.schema", "meshforge.run.train.trainer", "meshforge.parallelisms.fsdp"} <= set(
         files
     )
-    assert set(map(layer_of, files)) <= set(LAYERS), "a module outside the layers of docs/DESIGN.md"
+    assert set(map(layer_of, files)) <= set(LAYERS), "a module outside the layers of docs/architecture.md"
     assert violations(graph(files)) == []
 
 

@@ -44,8 +44,8 @@ class PassStop:
     """A point runs in a session of its own, out of a terminal's Ctrl-C, so a SIGINT or SIGTERM to
     the sweep is passed on: the first to the point's launcher, which stops its ranks at a step as it
     stops a run (saving when checkpointing is on); a second kills the point's whole group. Handlers
-    run on the main thread only: elsewhere the defaults stay. (Until 2026-12-05 the sweep exited and
-    its point trained on alone.)"""
+    run on the main thread only: elsewhere the defaults stay. Unpassed, the sweep would exit and
+    its point train on alone."""
 
     def __init__(self):
         self.asked: signal.Signals | None = None  # the first signal, passed on

@@ -38,7 +38,7 @@ from meshforge.simulate.step_time import predict_step
 FACTORS = ("matmul", "memory", "op_host", "dtensor_host", "latency", "bandwidth")
 # residual per unit of log(factor): a 2x factor weighs as a 7% miss on every run. Summed over runs
 # (each its own residual, this pull weighing as one run's), debug_cpu's 84 runs pulled bandwidth to
-# x0.1-0.14 and memory to x0.1, and llm_1b predicted by that missed by 41-95% (2026-12-06: 84 and
+# x0.1-0.14 and memory to x0.1, and llm_1b predicted by that missed by 41-95% (on 84 and
 # 68 runs of benchmarks/tune_accuracy.py, layouts x schedule x AC): with the runs' mean square and
 # soft L1, 8.1% and 11.7% (calibration alone: 5.6% and 11.3%); pull 0.03 12% and 12%, 0.3 6.4% and 11.2%
 PULL = 0.1

@@ -14,7 +14,7 @@ from meshforge.recipe import experts_of
 # What the traced step cannot tell apart, so tune cannot rank it (an axis key, or a key's prefix
 # ending in '.'): compile's fused kernels are not traced (the trace runs eager), a memory budget is
 # the compiler's partitioner, float8's kernels and CPU offload's host work are not priced (one
-# H200, 2026-12-04: llm_1b float8 predicted 59% slower than bf16, ran 5.9% slower (rowwise) to 9.5%
+# H200, gpu_check.md: llm_1b float8 predicted 59% slower than bf16, ran 5.9% slower (rowwise) to 9.5%
 # faster (tensorwise) compiled; with offload predicted 0.19 s, ran 1.28 s)
 UNTRACED = {
     "compile.enabled": "the trace runs eager: compiled kernels' time is not modelled",
@@ -96,7 +96,7 @@ def untraced_caveats(
             "(Python on every op of the forward and the recompute) is not: its step is longer than its row"
         )
     if block_hooks_priced and experts_of(recipe) and checkpoints(recipe, points):
-        # a tiny Qwen3 MoE block's hooks read 1.3-1.9x the same dims' dense block's (2026-12-07, 2 cores)
+        # a tiny Qwen3 MoE block's hooks read 1.3-1.9x the same dims' dense block's (on 2 CPU cores)
         lines.append(
             "checkpointed MoE blocks: their hooks are priced at a dense block's (checkpoint_overhead_s, "
             "probed on a dense Llama); an MoE block saves more tensors (its router's and experts') and "

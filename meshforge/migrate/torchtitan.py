@@ -351,7 +351,7 @@ def _activation_checkpoint(k: Keys, out: Imported) -> None:
         out.set("activation_checkpoint.mode", "full")
         out.notes.append(
             "activation_checkpoint selective/op with expert parallel: full AC instead (meshforge refuses "
-            "per-op AC with ep on torch 2.13, docs/DESIGN.md; more recompute, same math)"
+            "per-op AC with ep on torch 2.13, docs/parallelisms.md; more recompute, same math)"
         )
     elif mode == "selective" and option == "op":
         out.set("activation_checkpoint.mode", "op")

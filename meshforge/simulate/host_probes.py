@@ -127,7 +127,7 @@ def dtensor_op_overhead(per_op: float) -> float:
     column- then row-wise linears back to sequence shards) on rank 0 of a 2-rank mesh under
     torch's fake process group, so DTensor's sharding propagation and redistribution run in full
     and its collectives do nothing. Less its local ops at `per_op`, over the DTensor ops counted.
-    (Replicated DTensors on a 1-rank mesh, the probe until 2026-12-04, read ~6x less: DTensor
+    (Replicated DTensors on a 1-rank mesh, a simpler probe, read ~6x less: DTensor
     skips most of its work there; fits to measured runs had found the same factor.)"""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -169,7 +169,7 @@ def checkpoint_overhead() -> float:
     metadata check. The tiny Llama's step with every block checkpointed as a run checkpoints them
     (mode full), against the same step without (`hooks_beyond_ops`). ~0.7-0.9 ms a block on this
     project's 2-core VM (~110 ops' worth; ~1/3 of it in the forward), which made full AC's
-    measured cost 1.5-5x what the ops alone predicted (2026-12-06). A dense Llama block's: a
+    measured cost 1.5-5x what the ops alone predicted. A dense Llama block's: a
     block that saves more tensors (an MoE block) pays more."""
     model, tokens = _tiny_llama()
     full = ActivationCheckpointConfig(mode="full")

@@ -207,7 +207,7 @@ def simulate_timed(
     (its stage's earlier half, the neighbour stage's action); one whose input comes from another
     rank first receives it, `send_s` of wall time that starts only when both sides are ready
     (gloo's send waits for the receive to be posted: a pipeline's receiver paid 5 ms for 0.5 MB
-    sent long before, 2026-12-06), while a stage's input from its own rank costs nothing. Under
+    sent long before), while a stage's input from its own rank costs nothing. Under
     shared cores the ranks computing at a moment, each with its `peers` (the dp/cp/tp ranks doing
     the same at once), share the cores equally, each slowed by what sharing them costs
     (Profile.core_share). An action with collectives waits, once its work is done, for its group's

@@ -10,7 +10,7 @@ covers. On CUDA the compute intervals are the kernels. On CPU they are the step 
 is its work's lifetime, and an asynchronous one (a pipeline's send, FSDP's all-gather) runs while
 the thread computes, so it counts only while it is in flight and the thread is outside its
 operators: waiting, or in Python and hooks, which read as communication while a collective is in
-flight (2026-12-06: a pp 2 GPipe step's sends spanned 300 of its 740 ms, and rank 0 read 342 ms of
+flight (e.g. a pp 2 GPipe step's sends spanned 300 of its 740 ms, and rank 0 read 342 ms of
 send/receive where it waited 226 outside operators). Pipeline send/receive, the wait for the
 neighbour stage (so the bubble with it), is its own part; data and optimizer are the trainer's named
 regions (`DATA`, `OPTIMIZER`); compute is the rest of the step's wall time (forward, backward, host

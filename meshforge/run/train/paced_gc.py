@@ -3,7 +3,7 @@
 every peer waits for that rank at the next collective: on the debug model's 2-rank replicated
 layout with full activation checkpointing, a rank's full collections took 0.18-0.20 s (the step
 that held one, 0.26 s against 0.07-0.10) and the mean step read 0.107 s; paced, 0.077 s
-(2026-12-06). Off while the steps run, every rank collects its young generations at the same
+Off while the steps run, every rank collects its young generations at the same
 step's end instead; the old generation is then not collected until the steps end (its cycles are
 rare and long-lived), when the collector is restored."""
 
