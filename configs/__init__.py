@@ -3,7 +3,14 @@ nothing but the recipe. Imports nothing of meshforge but meshforge.core."""
 
 from meshforge.core.errors import Problem, RecipeError
 
-from .loader import embedded_recipes, load_config, recipe_to_dict, recipe_to_toml, resolve_recipe_path
+from .loader import (
+    embedded_recipes,
+    load_config,
+    read_config,
+    recipe_to_dict,
+    recipe_to_toml,
+    resolve_recipe_path,
+)
 from .schema import Recipe, field_doc, sections
 
 __all__ = [
@@ -13,6 +20,7 @@ __all__ = [
     "embedded_recipes",
     "field_doc",
     "load_config",
+    "read_config",
     "recipe_to_dict",
     "recipe_to_toml",
     "resolve_recipe_path",

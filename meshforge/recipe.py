@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
+from meshforge.configs import Problem, Recipe, RecipeError, checks, read_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
@@ -32,11 +32,23 @@ def load_recipe(
 
     Raises RecipeError listing every problem.
     """
-    recipe, path = load_config(path_or_name, overrides)
-    problems = validate(recipe, world_size)
+    recipe, path, key_problems = read_config(path_or_name, overrides)
+    left_out = {p.field for p in key_problems}
+    problems = [_left_out(p) if p.field != "override" else p for p in key_problems]
+    problems += [p for p in validate(recipe, world_size) if not _names_any(p.field, left_out)]
     if problems:
         raise RecipeError(problems, str(path))
     return recipe
+
+
+def _left_out(p: Problem) -> Problem:
+    """A key problem, saying that the rules across fields ran without the key."""
+    return Problem(p.field, p.value, f"{p.message} (the checks across fields left it out)")
+
+
+def _names_any(field: str, keys: set[str]) -> bool:
+    """Is `field` one of `keys` or inside one (`train.seq_len` inside `train`)?"""
+    return any(field == k or field.startswith(f"{k}.") for k in keys)
 
 
 def validate(r: Recipe, world_size: int | None) -> list[Problem]:
@@ -49,7 +61,10 @@ def validate(r: Recipe, world_size: int | None) -> list[Problem]:
     family_problems = []
     if args is not None:
         family_problems = get_model_spec(r.model.name).check(args, dims or ParallelDims())
-        problems += family_problems + check_shapes(r, args, dims)
+        mesh_fits = not any(
+            p.field.startswith("mesh.") for p in family_problems
+        )  # else cp and SP split by it
+        problems += family_problems + check_shapes(r, args, dims if mesh_fits else None)
     buildable = None if model_problems or family_problems else args  # float8's check builds it
     if dims is not None:
         batch_problems = checks.resolve_batch(r)
