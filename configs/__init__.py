@@ -3,6 +3,7 @@ nothing but the recipe. Imports nothing of meshforge but meshforge.core."""
 
 from meshforge.core.errors import Problem, RecipeError
 
+from .activation_checkpoint import ACPolicy, ac_policy
 from .loader import (
     embedded_recipes,
     load_config,
@@ -14,6 +15,8 @@ from .loader import (
 from .schema import Recipe, field_doc, sections
 
 __all__ = [
+    "ACPolicy",
+    "ac_policy",
     "Problem",
     "RecipeError",
     "Recipe",

@@ -13,6 +13,7 @@ import math
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import MESH_DIMS
 
+from .activation_checkpoint import MODES as AC_MODES
 from .inert import check_inert
 from .schema import Recipe
 
@@ -52,10 +53,7 @@ def check_enums(r: Recipe) -> list[Problem]:
         "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
         "lr_scheduler.warmup_shape": (r.lr_scheduler.warmup_shape, ("linear", "log")),
         "lr_scheduler.convention": (r.lr_scheduler.convention, ("torchtitan", "deepspeed")),
-        "activation_checkpoint.mode": (
-            r.activation_checkpoint.mode,
-            ("none", "full", "selective", "op", "memory_budget"),
-        ),
+        "activation_checkpoint.mode": (r.activation_checkpoint.mode, AC_MODES),
         "data.source": (r.data.source, ("synthetic", "files", "hf")),
         "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
         "optimizer.name": (r.optimizer.name, ("adamw",)),

@@ -18,6 +18,7 @@ from pathlib import PurePath
 
 from meshforge.core.errors import Problem
 
+from .activation_checkpoint import READ_BY, ac_policy
 from .schema import Recipe
 
 # a local file's suffix -> the HF datasets builder that reads it (one owner: the corpus reader uses it)
@@ -105,12 +106,8 @@ def check_inert(r: Recipe) -> list[Problem]:
             "set fsdp.param_dtype=float16",
         )
     ac = r.activation_checkpoint
-    for mode, name, reads_none in (
-        ("selective", "selective_every", "checkpoints no Nth block"),
-        ("op", "op_save", "keeps no op's outputs"),
-        ("memory_budget", "memory_budget", "gives the compiler no budget"),
-    ):
-        if ac.mode != mode:
+    for name, (mode, reads_none) in READ_BY.items():
+        if not ac_policy(ac).reads(name):
             why = f"activation_checkpoint.mode = {ac.mode!r} {reads_none}"
             problems += unread_problems(
                 "activation_checkpoint", ac, (name,), why, f"set activation_checkpoint.mode={mode}"

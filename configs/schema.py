@@ -10,11 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from .activation_checkpoint import ActivationCheckpointConfig
 from .fields import NO_EVAL, NO_FSDP, NO_PP, NO_SAVE, NO_WANDB, F, unread_with
 from .float8 import Float8Config
 from .model_mesh import MeshConfig, ModelConfig
 
-__all__ = ["Float8Config", "MeshConfig", "ModelConfig"]  # [model] and [mesh] in model_mesh.py, [float8]
+__all__ = ["ActivationCheckpointConfig", "Float8Config", "MeshConfig", "ModelConfig"]  # sections kept apart
 
 
 @dataclass
@@ -81,36 +82,6 @@ class PPConfig:
         0.0, "tok_embeddings counted as this many layers when balancing stages" + NO_PP
     )
     output_weight: float = F(0.0, "norm + output counted as this many layers when balancing stages" + NO_PP)
-
-
-# per-op AC keeps the outputs of these (TorchTitan's default list): matmuls, attention, TP's and
-# Ulysses' collectives
-SAC_SAVE_OPS = (
-    "aten.mm aten.addmm aten.bmm aten.linear aten.max aten._scaled_dot_product_flash_attention "
-    "aten._scaled_dot_product_efficient_attention aten._scaled_dot_product_cudnn_attention "
-    "aten._scaled_dot_product_flash_attention_for_cpu aten._scaled_dot_product_attention_math "
-    "_c10d_functional.reduce_scatter_tensor _c10d_functional.all_to_all_single"
-).split()
-
-
-@dataclass
-class ActivationCheckpointConfig:
-    mode: str = F(
-        "none",
-        "none | full | selective (every Nth block) | op (per op, every block: the outputs of the ops "
-        "in op_save are kept, but every second matmul's, and the rest recomputed: TorchTitan's SAC) | "
-        "memory_budget (compiled blocks: the compiler chooses what to recompute within memory_budget)",
-    )
-    selective_every: int = F(2, "with mode=selective: checkpoint every Nth transformer block")
-    op_save: List[str] = F(
-        SAC_SAVE_OPS,
-        "with mode=op: the ops (namespace.name, their default overload) whose outputs are kept",
-    )
-    memory_budget: float = F(
-        0.5,
-        "with mode=memory_budget: the share of a compiled block's activations kept for backward, 0-1 "
-        "(torch's min-cut partitioner recomputes the cheapest rest: 1 keeps all, 0 recomputes what it can)",
-    )
 
 
 @dataclass

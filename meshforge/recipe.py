@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshforge.configs import Problem, Recipe, RecipeError, checks, read_config
+from meshforge.configs import Problem, Recipe, RecipeError, ac_policy, checks, read_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
@@ -219,7 +219,7 @@ def check_combinations(r: Recipe, dims: ParallelDims) -> list[Problem]:
                 "not have); set eval.every=0 or use 1F1B, Interleaved1F1B or InterleavedZeroBubble",
             )
         )
-    if r.activation_checkpoint.mode == "memory_budget" and not r.compile.enabled:
+    if ac_policy(r.activation_checkpoint).by_compiler and not r.compile.enabled:
         problems.append(
             Problem(
                 "activation_checkpoint.mode",
@@ -253,7 +253,10 @@ def experts_of(r: Recipe) -> int:
 def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
     """Expert parallel's rules (parallelisms/ep.py); MoE is dropless, torch-only, and a balancing
     setting the chosen balancing does not read is refused."""
-    m, problems = r.model, check_ep(dims, args, r.activation_checkpoint.mode) if args is not None else []
+    m, problems = (
+        r.model,
+        check_ep(dims, args, ac_policy(r.activation_checkpoint)) if args is not None else [],
+    )
     if m.capacity_factor is not None:
         problems.append(
             Problem(
@@ -327,7 +330,7 @@ def check_profile(r: Recipe) -> list[Problem]:
 def check_op_names(r: Recipe) -> list[Problem]:
     """Per-op AC names ops by namespace.name: one torch does not have is refused, not skipped."""
     ac = r.activation_checkpoint
-    unknown = unknown_ops(ac.op_save) if ac.mode == "op" else []
+    unknown = unknown_ops(ac.op_save) if ac_policy(ac).per_op else []
     return (
         [
             Problem(

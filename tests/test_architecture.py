@@ -289,3 +289,37 @@ def test_the_import_check_sees_each_kind_of_side_effect(tmp_path):
     assert set(found) == {"warnings filters", "os.environ PLANTED", "matplotlib backend", "logger matplotlib"}
     assert found["os.environ PLANTED"] == [None, "1"]
     assert found["matplotlib backend"] == ["None", "'Agg'"]
+
+
+# The activation-checkpointing modes, asked of configs/activation_checkpoint.py's ACPolicy alone.
+# migrate/ reads TorchTitan's and DeepSpeed's own configs, whose mode names coincide with ours.
+AC_MODE_NAMES = {"full", "selective", "op", "memory_budget"}
+AC_POLICY_MODULE = "meshforge.configs.activation_checkpoint"
+
+
+def mode_strings_compared(path: Path, names: set[str]) -> list[int]:
+    """Lines of `path` where a Compare has one of `names` as a literal (alone or in a tuple/set)."""
+
+    def literals(node: ast.expr) -> set:
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {e.value for e in elts if isinstance(e, ast.Constant)}
+
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare) and any(literals(e) & names for e in [node.left, *node.comparators])
+    ]
+
+
+def test_no_ac_mode_string_is_compared_outside_its_policy(tmp_path):
+    """Every caller asks the policy (wraps_blocks, per_op, period, ...) what a mode does."""
+    found = {
+        name: lines
+        for name, path in module_files().items()
+        if name != AC_POLICY_MODULE and not name.startswith("meshforge.migrate")
+        if (lines := mode_strings_compared(path, AC_MODE_NAMES))
+    }
+    assert found == {}
+    planted = tmp_path / "planted.py"  # the check sees each shape of comparison
+    planted.write_text('a = m == "op"\nb = m in ("none", "full")\nc = "memory_budget" != m\nd = m == "x"\n')
+    assert mode_strings_compared(planted, AC_MODE_NAMES) == [1, 2, 3]

@@ -452,7 +452,8 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
     gradient stay the same (the partitioner recomputes, it does not approximate)."""
     import dataclasses
 
-    from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig
+    from meshforge.configs import ACPolicy
+    from meshforge.configs.schema import CompileConfig
     from meshforge.models import get_model_spec
     from meshforge.parallelisms.ac import apply_ac
     from meshforge.parallelisms.compile import apply_compile
@@ -465,7 +466,7 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
         torch._dynamo.reset()
         model = spec.build(args)
         model.init_weights(0)
-        apply_ac(model, ActivationCheckpointConfig(mode="memory_budget", memory_budget=budget))
+        apply_ac(model, ACPolicy("memory_budget", budget=budget))
         apply_compile(model, CompileConfig(enabled=True))
         nbytes = [0]
 
@@ -478,7 +479,7 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
         loss.backward()
         saved[budget] = nbytes[0]
         grads[budget] = [p.grad for p in model.parameters()]
-    apply_ac(model, ActivationCheckpointConfig(mode="none"))  # the process-wide budget back to 1
+    apply_ac(model, ACPolicy("none"))  # the process-wide budget back to 1
     assert saved[1.0] > saved[0.5] > saved[0.0] > 0, saved
     for budget in (0.5, 0.0):
         for a, b in zip(grads[1.0], grads[budget]):

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Recipe, RecipeError, load_config
+from meshforge.configs import Recipe, RecipeError, ac_policy, load_config
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
@@ -141,8 +141,7 @@ def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False, paired: bo
     blocks are checkpointed. Each trace (or shallow pair) runs in its own worker process (trace_pool)."""
     dims = ParallelDims.from_config(recipe.mesh)
     counts = [len(ids) for ids in stage_layout_of(recipe, dims)]
-    ac = recipe.activation_checkpoint
-    period = ac.selective_every if ac.mode == "selective" else 1
+    period = ac_policy(recipe.activation_checkpoint).period
     least = MIN_SHALLOW_PERIODS * period
     low = [min(n, least + (n - least) % period) for n in counts]
     mine = (
@@ -333,7 +332,7 @@ def print_estimate(
 
 def estimate_caveats(recipe: Recipe) -> list[str]:
     """What the trace cannot see of this recipe, said under the table."""
-    if recipe.activation_checkpoint.mode != "memory_budget":
+    if not ac_policy(recipe.activation_checkpoint).by_compiler:
         return []
     return [
         "activation_checkpoint.mode = memory_budget: traced eager (the compiler's partitioner, which "

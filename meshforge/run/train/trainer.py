@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.configs import Recipe, ac_policy, recipe_to_dict
 from meshforge.core.logs import setup_logging
 from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
@@ -196,7 +196,7 @@ class Trainer(TrainingRun):
         on_breakdown_step = step == self.recipe.logging.memory_breakdown_step
         if on_breakdown_step and self._breakdown_blocked:
             self.console.note(self._breakdown_blocked)
-        if on_breakdown_step and self.recipe.activation_checkpoint.mode == "memory_budget":
+        if on_breakdown_step and ac_policy(self.recipe.activation_checkpoint).by_compiler:
             self.console.note(
                 "memory by category runs its step eager (a dispatch mode cannot watch a compiled graph): "
                 "the memory budget's recomputation is not in its activations"
