@@ -323,3 +323,50 @@ def test_no_ac_mode_string_is_compared_outside_its_policy(tmp_path):
     planted = tmp_path / "planted.py"  # the check sees each shape of comparison
     planted.write_text('a = m == "op"\nb = m in ("none", "full")\nc = "memory_budget" != m\nd = m == "x"\n')
     assert mode_strings_compared(planted, AC_MODE_NAMES) == [1, 2, 3]
+
+
+# Each folder's own floors, bottom to top (a module may import its own floor and those below):
+# a rank's setup, then what runs in it, the trainer, and the launcher on top. Every folder
+# holding sub-folders is listed; a flat folder's modules only need to be free of cycles.
+FLOORS = {"meshforge.run": ["rank", "data", "checkpoint", "observe", "train", "launch"]}
+
+
+def floor_violations(g: dict[str, list[tuple[str, bool, int]]], floors: dict[str, list[str]]) -> list[str]:
+    """Every import between two sub-folders of one folder that points up its floors."""
+    out = []
+    for folder, order in floors.items():
+
+        def floor(module: str) -> str | None:
+            rest = module.removeprefix(f"{folder}.").split(".")
+            return rest[0] if module.startswith(f"{folder}.") and len(rest) > 1 else None
+
+        for src, found in g.items():
+            for dst, _, line in found:
+                a, b = floor(src), floor(dst)
+                if a and b and order.index(b) > order.index(a):
+                    out.append(f"{src}:{line} imports {dst}, a higher floor of {folder} ({b} above {a})")
+    return out
+
+
+def test_no_import_points_up_a_folders_own_floors():
+    files = module_files()
+    with_subfolders = {
+        name.rpartition(".")[0]
+        for name, path in files.items()
+        if path.name == "__init__.py" and name.count(".") >= 2
+    }
+    assert with_subfolders == set(FLOORS), "a folder with sub-folders needs its floors in FLOORS"
+    for folder, order in FLOORS.items():  # every sub-folder has a floor
+        subs = {
+            name.split(".")[2] for name in files if name.startswith(f"{folder}.") and name.count(".") >= 3
+        }
+        assert subs == set(order), folder
+    assert floor_violations(graph(files), FLOORS) == []
+
+
+def test_the_floor_check_sees_an_upward_import():
+    g = {"meshforge.run.train.lifecycle": [("meshforge.run.launch.watch", False, 24)]}
+    assert floor_violations(g, FLOORS) == [
+        "meshforge.run.train.lifecycle:24 imports meshforge.run.launch.watch, a higher floor of "
+        "meshforge.run (launch above train)"
+    ]

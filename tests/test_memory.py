@@ -401,7 +401,7 @@ def test_analytic_estimate_leaves_offloaded_states_off_the_device_and_checks_the
     from types import SimpleNamespace
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.launch import plan as plan_module
+    from meshforge.run.rank import plan as plan_module
 
     plain = plan_module.make_plan(load_recipe(RECIPES / "debug_cpu.toml", OFFLOAD_MESH, world_size=2))
     off = plan_module.make_plan(

@@ -33,8 +33,8 @@ from meshforge.experiments.point_process import run_point
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, measure, read_rows
 from meshforge.recipe import experts_of, load_recipe
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.loggers import wandb_settings
+from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.estimate import (
     analytic_figures,
     estimate_refusals,

@@ -42,8 +42,8 @@ from meshforge.experiments.sweep_record import MEASURED, measure
 from meshforge.experiments.tune_caveats import batch_caveat, checkpoints, refuse_untraced, untraced_caveats
 from meshforge.models import args_from_config
 from meshforge.recipe import experts_of, load_recipe
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.flops import flops_per_token
+from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.estimate import heaviest, role_works, trace_pool
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.step_time import predict_step

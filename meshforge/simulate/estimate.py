@@ -15,7 +15,7 @@ its depth (submit_trace). Measured against real runs by
 benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
-moments) over the sharding, plus Korthikanti et al. 2022 activations (run/launch/analytic.py).
+moments) over the sharding, plus Korthikanti et al. 2022 activations (run/rank/analytic.py).
 
 With `fsdp.cpu_offload` both count the device only: the sharded parameters, their gradients
 and the optimizer state live on the host (`host`, for the machine check), so the traced peak
@@ -38,8 +38,8 @@ from meshforge.core.units import GiB
 from meshforge.models import args_from_config
 from meshforge.parallelisms.pp import stage_ids_for_rank, stage_layout
 from meshforge.recipe import experts_of, load_recipe
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES
+from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.step_time import StepPrediction, predict_step

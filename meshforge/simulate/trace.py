@@ -27,9 +27,9 @@ from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, fsdp_units, quiet_
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.parallelisms.tied import tie_across_stages
-from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.observe.memory import LOGGED_FIGURES
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories, phase_peak_categories
+from meshforge.run.rank.distributed import pick_device_type
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, clip_grad_norm, cross_entropy_sum
 from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank

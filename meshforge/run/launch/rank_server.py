@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 
 from meshforge.configs import Recipe
 from meshforge.configs.checks import mesh_world_size
+from meshforge.run.rank.env import under_torchrun
 
 RANK_ENTRY = "meshforge.run.launch.local"  # what a rank runs, with everything it imports
 
@@ -25,12 +25,6 @@ def start_rank_server() -> None:
     """Start the server (once per process) with the ranks' modules imported."""
     multiprocessing.set_forkserver_preload([RANK_ENTRY])
     multiprocessing.forkserver.ensure_running()
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or our local launcher, which is torchrun's API) started us. Here, not in
-    distributed.py, so the CLI can ask before it imports torch."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def forks_cpu_ranks(recipe: Recipe) -> bool:

@@ -29,8 +29,6 @@ from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
-from meshforge.run.launch import distributed as mfdist
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.describe import draw_breakdown, draw_pipeline, run_info
 from meshforge.run.observe.flops import device_peak_flops, flops_per_token
 from meshforge.run.observe.loggers import LoggerContainer
@@ -44,6 +42,8 @@ from meshforge.run.observe.memory import (
 from meshforge.run.observe.memtrace import in_gib, peak_categories, tracked_step
 from meshforge.run.observe.profile import DATA, OPTIMIZER, PARTS, StepProfiler
 from meshforge.run.observe.record import RunRecord, RunState, Throughput
+from meshforge.run.rank import distributed as mfdist
+from meshforge.run.rank.plan import make_plan
 from meshforge.run.train.evaluate import data_streams
 from meshforge.run.train.forward_backward import ForwardBackward, Phase, PipelineLoss
 from meshforge.run.train.guards import BadStepBudget
