@@ -5,6 +5,8 @@ from meshforge.core.errors import Problem, RecipeError
 
 from .activation_checkpoint import ACPolicy, ac_policy
 from .loader import (
+    RecipeLike,
+    RecipeSource,
     embedded_recipes,
     load_config,
     read_config,
@@ -24,6 +26,8 @@ __all__ = [
     "field_doc",
     "load_config",
     "read_config",
+    "RecipeLike",
+    "RecipeSource",
     "recipe_to_dict",
     "recipe_to_toml",
     "resolve_recipe_path",

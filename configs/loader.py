@@ -187,7 +187,25 @@ def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
         return [Problem(name, value, f"wrong type: expected {expected}")]
 
 
-def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) -> tuple[Recipe, Path]:
+@dataclasses.dataclass(frozen=True)
+class RecipeSource:
+    """A recipe file read once (merged over its `extends` base): the variants a sweep, a tune or
+    an estimate tries are this and their own overrides, not the file read again per variant."""
+
+    path: Path
+    raw: dict
+
+    @classmethod
+    def read(cls, path_or_name: str | Path | None) -> RecipeSource:
+        """The file at a path, or the embedded recipe of that name (None: the default)."""
+        path = resolve_recipe_path(None if path_or_name is None else str(path_or_name))
+        return cls(path, read_toml(path))
+
+
+RecipeLike = str | Path | RecipeSource | None  # a path, an embedded recipe's name, or one read already
+
+
+def load_config(path_or_name: RecipeLike, overrides: Sequence[str] = ()) -> tuple[Recipe, Path]:
     """The recipe file merged over the schema's defaults, with `overrides` applied, and its
     path. Checks keys and types only; raises RecipeError listing every problem."""
     recipe, path, problems = read_config(path_or_name, overrides)
@@ -197,15 +215,15 @@ def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) 
 
 
 def read_config(
-    path_or_name: str | Path | None, overrides: Sequence[str] = ()
+    path_or_name: RecipeLike, overrides: Sequence[str] = ()
 ) -> tuple[Recipe, Path, list[Problem]]:
     """The recipe, its path and the problems of its keys and types: a key that is unknown or of
     the wrong type is left at its default, so the rules across fields still run on the rest and
     a user sees every problem in one pass."""
-    path = resolve_recipe_path(None if path_or_name is None else str(path_or_name))
-    raw = read_toml(path)
+    source = path_or_name if isinstance(path_or_name, RecipeSource) else RecipeSource.read(path_or_name)
+    path = source.path
     over, problems = parse_overrides(overrides)
-    recipe, typing_problems = _typed(_deep_merge(raw, over))
+    recipe, typing_problems = _typed(_deep_merge(source.raw, over))
     if recipe.run_name is None:
         recipe.run_name = f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     return recipe, path, problems + typing_problems

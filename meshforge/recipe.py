@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshforge.configs import Problem, Recipe, RecipeError, ac_policy, checks, read_config
+from meshforge.configs import Problem, Recipe, RecipeError, RecipeLike, ac_policy, checks, read_config
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
@@ -24,7 +24,7 @@ from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDU
 
 
 def load_recipe(
-    path_or_name: str | Path | None,
+    path_or_name: RecipeLike,
     overrides: Sequence[str] = (),
     world_size: int | None = None,
 ) -> Recipe:

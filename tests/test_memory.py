@@ -484,3 +484,19 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
     for budget in (0.5, 0.0):
         for a, b in zip(grads[1.0], grads[budget]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_an_estimate_of_every_mesh_reads_its_recipe_once(monkeypatch, capsys):
+    """Each mesh is the recipe read once and its overrides, not the file read again per mesh."""
+    from rich.console import Console
+
+    from meshforge.configs import loader
+    from meshforge.simulate.estimate import print_estimate
+
+    reads = []
+    read = loader.read_toml
+    monkeypatch.setattr(loader, "read_toml", lambda path, *a: reads.append(path) or read(path, *a))
+    print_estimate(str(RECIPES / "debug_cpu.toml"), [], 4, True, True, None, Console())
+    printed = capsys.readouterr().out
+    assert "dp4" in printed and "dp2-tp2" in printed and "tp4: refused" in printed  # every mesh
+    assert reads == [(RECIPES / "debug_cpu.toml").resolve()]

@@ -206,9 +206,8 @@ class JaxTrainer(TrainingRun):
         stop signal)."""
         if self.evaluator.due(step):
             result.eval = self.evaluator(self)
-        last = step == self.recipe.train.steps
         seconds = self.checkpointer.maybe_save(
-            step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
+            step, last=self.is_last(step), stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
         )
         self._mirror = None
         return seconds

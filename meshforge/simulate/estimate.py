@@ -31,7 +31,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Recipe, RecipeError, ac_policy, load_config
+from meshforge.configs import Recipe, RecipeError, RecipeLike, RecipeSource, ac_policy, load_config
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
@@ -229,18 +229,18 @@ def analytic_figures(plan) -> dict[str, int]:
 
 
 def estimate_rows(
-    recipe_path: str, overrides: list[str], world: int, all_meshes: bool, traced: bool = True
+    source: RecipeLike, overrides: list[str], world: int, all_meshes: bool, traced: bool = True
 ) -> list[dict]:
     """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
     rows, pending, meshes = [], [], [None]
     if all_meshes:
-        meshes = ParallelDims.all_of_world(world, experts_of(load_config(recipe_path, overrides)[0]))
+        meshes = ParallelDims.all_of_world(world, experts_of(load_config(source, overrides)[0]))
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(trace_pool()) if traced else None
         for mesh in meshes:
             extra = mesh.overrides() if mesh else []
             try:
-                recipe = load_recipe(recipe_path, [*overrides, *extra], world_size=world)
+                recipe = load_recipe(source, [*overrides, *extra], world_size=world)
             except RecipeError as e:
                 rows.append({"layout": mesh.label() if mesh else "recipe", "refused": str(e.problems[0])})
                 continue
@@ -323,10 +323,11 @@ def print_estimate(
     console: Console,
 ) -> None:
     """`meshforge estimate`: the table (wide when not on a terminal) and the refused layouts."""
-    rows = estimate_rows(recipe_path, overrides, world, all_meshes, traced=not analytic)
+    source = RecipeSource.read(recipe_path)  # read once: every mesh is it and its overrides
+    rows = estimate_rows(source, overrides, world, all_meshes, traced=not analytic)
     out = wide(console)
     out.print(estimate_table(rows, device_memory))
-    for line in estimate_refusals(rows) + estimate_caveats(load_config(recipe_path, overrides)[0]):
+    for line in estimate_refusals(rows) + estimate_caveats(load_config(source, overrides)[0]):
         out.print(line, highlight=False, soft_wrap=True)
 
 

@@ -96,6 +96,10 @@ class TrainingRun:
         checkpoint); returns the seconds a checkpoint save held training up, None if none."""
         return None
 
+    def is_last(self, step: int) -> bool:
+        """Whether `step` is the loop's last (train.steps): the one a checkpoint policy always saves."""
+        return step == self.recipe.train.steps
+
     def layout(self) -> list[list[int]] | None:
         """The pipeline's layers per stage, for the banner (None: not pipelined)."""
         return None

@@ -308,9 +308,8 @@ class Trainer(TrainingRun):
             self.console.note(overflow_note(step, result.loss_scale))
         elif not result.finite:
             self.console.note(self.budget.spend(step, float(result.loss), float(result.grad_norm)))
-        last = step == self.recipe.train.steps
         return self.checkpointer.maybe_save(
-            step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
+            step, last=self.is_last(step), stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
         )
 
     # --- what the lifecycle asks --------------------------------------------------------
