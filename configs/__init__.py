@@ -1,5 +1,6 @@
-"""meshforge.configs: the recipe schema (dataclasses), the loader and the rules that need
-nothing but the recipe. Imports nothing of meshforge but meshforge.core."""
+"""meshforge.configs: the recipe schema (dataclasses, a module per section or group of them) and
+the loader, which checks keys and types; every other rule is meshforge.recipe's. Imports nothing
+of meshforge but meshforge.core."""
 
 from meshforge.core.errors import Problem, RecipeError
 

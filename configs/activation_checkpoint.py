@@ -43,7 +43,7 @@ class ActivationCheckpointConfig:
     )
 
 
-# a setting each mode alone reads: set under another mode it is inert (configs/inert.py)
+# a setting each mode alone reads: set under another mode it is inert (recipe/inert.py)
 READ_BY = {
     "selective_every": ("selective", "checkpoints no Nth block"),
     "op_save": ("op", "keeps no op's outputs"),

@@ -1,8 +1,8 @@
 """Recipe loading: TOML -> `extends` base -> dotted overrides -> OmegaConf structured merge.
 
 Every problem is collected before anything fails, so a user fixes a recipe in one pass:
-unknown keys come with "did you mean", wrong types with the expected type. The rules that
-need a model family or the parallelisms are checked one layer up (meshforge.recipe).
+unknown keys come with "did you mean", wrong types with the expected type; such a key is left
+at its default so that every other rule (meshforge.recipe, one layer up) still runs.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from meshforge.core.topology import MESH_DIMS
 
 from .fields import F
 
@@ -72,3 +75,9 @@ class MeshConfig:
         "expert-parallel degree (MoE): experts split over ep ranks borrowed from dp_shard x cp, which "
         "it must divide; not a factor of the world size",
     )
+
+
+def mesh_world_size(mesh: MeshConfig) -> int | None:
+    """The world size the mesh spells out, or None if a degree is -1 (sized by the world later)."""
+    degrees = [getattr(mesh, n) for n in MESH_DIMS]
+    return None if -1 in degrees else math.prod(degrees)

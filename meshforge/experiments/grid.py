@@ -7,8 +7,8 @@ import itertools
 from dataclasses import dataclass
 
 from meshforge.configs import Problem, RecipeError, RecipeLike, load_config
-from meshforge.configs.inert import unread_on_mesh
 from meshforge.core.topology import ParallelDims
+from meshforge.recipe.inert import unread_on_mesh
 
 
 def mesh_shapes(world: int, experts: int = 0) -> list[dict[str, int]]:

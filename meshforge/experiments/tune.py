@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import RecipeError, RecipeSource
-from meshforge.configs.inert import unread_on_mesh
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
@@ -42,6 +41,7 @@ from meshforge.experiments.sweep_record import MEASURED, measure
 from meshforge.experiments.tune_caveats import batch_caveat, checkpoints, refuse_untraced, untraced_caveats
 from meshforge.models import args_from_config
 from meshforge.recipe import experts_of, load_recipe
+from meshforge.recipe.inert import unread_on_mesh
 from meshforge.run.observe.flops import flops_per_token
 from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.estimate import heaviest, role_works, trace_pool

@@ -15,7 +15,7 @@ import multiprocessing
 import multiprocessing.forkserver
 
 from meshforge.configs import Recipe
-from meshforge.configs.checks import mesh_world_size
+from meshforge.configs.model_mesh import mesh_world_size
 from meshforge.run.rank.env import under_torchrun
 
 RANK_ENTRY = "meshforge.run.launch.local"  # what a rank runs, with everything it imports
@@ -31,5 +31,5 @@ def forks_cpu_ranks(recipe: Recipe) -> bool:
     """Whether run_recipe will fork several local CPU ranks of this (unvalidated) recipe: a fixed
     mesh of more than one rank on `device = "cpu"`, not under torchrun (whose workers are started
     already)."""
-    several = (mesh_world_size(recipe) or 1) > 1  # None: a -1 degree, sized by the world later
+    several = (mesh_world_size(recipe.mesh) or 1) > 1  # None: a -1 degree, sized by the world later
     return recipe.backend == "torch" and recipe.train.device == "cpu" and several and not under_torchrun()

@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import PurePath
 
+from meshforge.configs import Recipe
+from meshforge.configs.activation_checkpoint import READ_BY, ac_policy
 from meshforge.core.errors import Problem
-
-from .activation_checkpoint import READ_BY, ac_policy
-from .schema import Recipe
 
 # a local file's suffix -> the HF datasets builder that reads it (one owner: the corpus reader uses it)
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}

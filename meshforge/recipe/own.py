@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import math
 
+from meshforge.configs import Recipe
+from meshforge.configs.activation_checkpoint import MODES as AC_MODES
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import MESH_DIMS
 
-from .activation_checkpoint import MODES as AC_MODES
 from .inert import check_inert
-from .schema import Recipe
-
-
-def mesh_world_size(recipe: Recipe) -> int | None:
-    """The world size the mesh spells out, or None if a degree is -1."""
-    degrees = [getattr(recipe.mesh, n) for n in MESH_DIMS]
-    return None if -1 in degrees else math.prod(degrees)
 
 
 def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
