@@ -8,6 +8,7 @@ or `ACPolicy(mode)` for a mode a sweep or tune axis names) what it does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 from .fields import F
 
@@ -32,7 +33,7 @@ class ActivationCheckpointConfig:
         "memory_budget (compiled blocks: the compiler chooses what to recompute within memory_budget)",
     )
     selective_every: int = F(2, "with mode=selective: checkpoint every Nth transformer block")
-    op_save: list[str] = F(
+    op_save: List[str] = F(
         SAC_SAVE_OPS,
         "with mode=op: the ops (namespace.name, their default overload) whose outputs are kept",
     )

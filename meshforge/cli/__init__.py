@@ -113,7 +113,7 @@ def _env_world(nproc: int | None) -> int | None:
 def _world_for(path, overrides: list[str], world: int | None) -> int:
     """The world size a sweep or estimate is about: the one given, else the recipe mesh's
     (loading raises a RecipeError asking for a world size when the mesh has a -1)."""
-    from meshforge.configs.model_mesh import mesh_world_size
+    from meshforge.configs.parallelism import mesh_world_size
     from meshforge.recipe import load_recipe
 
     return world or mesh_world_size(load_recipe(path, overrides, world_size=None).mesh)

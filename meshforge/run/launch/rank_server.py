@@ -15,7 +15,7 @@ import multiprocessing
 import multiprocessing.forkserver
 
 from meshforge.configs import Recipe
-from meshforge.configs.model_mesh import mesh_world_size
+from meshforge.configs.parallelism import mesh_world_size
 from meshforge.run.rank.env import under_torchrun
 
 RANK_ENTRY = "meshforge.run.launch.local"  # what a rank runs, with everything it imports

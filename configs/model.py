@@ -1,11 +1,8 @@
-"""The recipe's [model] and [mesh] sections (split from schema.py, which re-exports them)."""
+"""The [model] section: the family, its flavor or HF folder, and overrides of its fields."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-from meshforge.core.topology import MESH_DIMS
 
 from .fields import F
 
@@ -57,27 +54,3 @@ class ModelConfig:
     capacity_factor: float | None = F(
         None, "refused: meshforge's MoE is dropless (every token reaches its top-k experts)"
     )
-
-
-@dataclass
-class MeshConfig:
-    dp_replicate: int = F(1, "data-parallel replicas (DDP, or the outer dim of HSDP); -1 = the rest")
-    dp_shard: int = F(-1, "FSDP shard degree; -1 = the rest of the world size")
-    cp: int = F(
-        1,
-        "context-parallel degree (every sequence split over cp ranks, attention across them; FSDP "
-        "shards over dp_shard x cp)",
-    )
-    tp: int = F(1, "tensor-parallel degree (heads and FFN split across ranks)")
-    pp: int = F(1, "pipeline-parallel degree (layers split into stages)")
-    ep: int = F(
-        1,
-        "expert-parallel degree (MoE): experts split over ep ranks borrowed from dp_shard x cp, which "
-        "it must divide; not a factor of the world size",
-    )
-
-
-def mesh_world_size(mesh: MeshConfig) -> int | None:
-    """The world size the mesh spells out, or None if a degree is -1 (sized by the world later)."""
-    degrees = [getattr(mesh, n) for n in MESH_DIMS]
-    return None if -1 in degrees else math.prod(degrees)
