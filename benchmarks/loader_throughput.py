@@ -28,8 +28,8 @@ from recorded import provenance, save  # benchmarks/recorded.py
 
 from meshforge.recipe import load_recipe
 from meshforge.run.data.loader import build_loader
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.flops import flops_per_token
+from meshforge.run.rank.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_CPU = REPO / "recipes" / "text_cpu.toml"

@@ -10,7 +10,7 @@ from typing import Any
 
 def unread_with(condition: str, kind: str = "a mesh dimension of degree 1") -> str:
     """A field doc's note on a setting another choice leaves unread, and why that is harmless
-    (configs/inert.py refuses the ones that are not)."""
+    (recipe/inert.py refuses the ones that are not)."""
     why = "kept so the one field turns it on" if kind == "a switch" else "kept for the meshes that use it"
     return f"; unread with {condition} ({kind}: {why}; it changes nothing then)"
 

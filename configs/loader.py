@@ -1,8 +1,8 @@
 """Recipe loading: TOML -> `extends` base -> dotted overrides -> OmegaConf structured merge.
 
 Every problem is collected before anything fails, so a user fixes a recipe in one pass:
-unknown keys come with "did you mean", wrong types with the expected type. The rules that
-need a model family or the parallelisms are checked one layer up (meshforge.recipe).
+unknown keys come with "did you mean", wrong types with the expected type; such a key is left
+at its default so that every other rule (meshforge.recipe, one layer up) still runs.
 """
 
 from __future__ import annotations
@@ -187,38 +187,78 @@ def _check_type(cls: type, key: str, value: Any, name: str) -> list[Problem]:
         return [Problem(name, value, f"wrong type: expected {expected}")]
 
 
-def load_config(path_or_name: str | Path | None, overrides: Sequence[str] = ()) -> tuple[Recipe, Path]:
+@dataclasses.dataclass(frozen=True)
+class RecipeSource:
+    """A recipe file read once (merged over its `extends` base): the variants a sweep, a tune or
+    an estimate tries are this and their own overrides, not the file read again per variant."""
+
+    path: Path
+    raw: dict
+
+    @classmethod
+    def read(cls, path_or_name: str | Path | None) -> RecipeSource:
+        """The file at a path, or the embedded recipe of that name (None: the default)."""
+        path = resolve_recipe_path(None if path_or_name is None else str(path_or_name))
+        return cls(path, read_toml(path))
+
+
+RecipeLike = str | Path | RecipeSource | None  # a path, an embedded recipe's name, or one read already
+
+
+def load_config(path_or_name: RecipeLike, overrides: Sequence[str] = ()) -> tuple[Recipe, Path]:
     """The recipe file merged over the schema's defaults, with `overrides` applied, and its
     path. Checks keys and types only; raises RecipeError listing every problem."""
-    path = resolve_recipe_path(None if path_or_name is None else str(path_or_name))
-    raw = read_toml(path)
+    recipe, path, problems = read_config(path_or_name, overrides)
+    if problems:
+        raise RecipeError(problems, str(path))
+    return recipe, path
+
+
+def read_config(
+    path_or_name: RecipeLike, overrides: Sequence[str] = ()
+) -> tuple[Recipe, Path, list[Problem]]:
+    """The recipe, its path and the problems of its keys and types: a key that is unknown or of
+    the wrong type is left at its default, so the rules across fields still run on the rest and
+    a user sees every problem in one pass."""
+    source = path_or_name if isinstance(path_or_name, RecipeSource) else RecipeSource.read(path_or_name)
+    path = source.path
     over, problems = parse_overrides(overrides)
-    raw = _deep_merge(raw, over)
-    if problems:  # the overrides' own problems, and those of the merged recipe
-        raise RecipeError(problems + check_keys_and_types(raw), str(path))
-    recipe = _typed(raw, str(path))
+    recipe, typing_problems = _typed(_deep_merge(source.raw, over))
     if recipe.run_name is None:
         recipe.run_name = f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return recipe, path
+    return recipe, path, problems + typing_problems
 
 
 # A launch loads its recipe twice (whether it forks local ranks, then the recipe itself), and the
 # checks and OmegaConf merge cost ~65 ms here: the last 16 merged TOMLs (keyed by repr, so types
 # count) are checked and typed once per process, each caller getting its own deep copy.
-_TYPED: dict[str, Recipe] = {}
+_TYPED: dict[str, tuple[Recipe, list[Problem]]] = {}
 _TYPED_KEPT = 16
 
 
-def _typed(raw: dict, path: str) -> Recipe:
-    """A copy of the recipe `raw` (merged TOML) describes, checked (RecipeError lists every problem)."""
+def _typed(raw: dict) -> tuple[Recipe, list[Problem]]:
+    """A copy of the recipe `raw` (merged TOML) describes, with its unknown keys and values of
+    the wrong type left out (at their defaults), and those keys' problems."""
     key = repr(raw)
     if key not in _TYPED:
-        if problems := check_keys_and_types(raw):
-            raise RecipeError(problems, path)
+        problems = check_keys_and_types(raw)
         if len(_TYPED) >= _TYPED_KEPT:
             del _TYPED[next(iter(_TYPED))]  # the oldest
-        _TYPED[key] = OmegaConf.to_object(OmegaConf.merge(_schema(Recipe), raw))
-    return copy.deepcopy(_TYPED[key])
+        typed = OmegaConf.to_object(OmegaConf.merge(_schema(Recipe), _without(raw, problems)))
+        _TYPED[key] = (typed, problems)
+    recipe, problems = _TYPED[key]
+    return copy.deepcopy(recipe), list(problems)
+
+
+def _without(raw: dict, problems: list[Problem]) -> dict:
+    """`raw` less every key a problem names (`train.seq_len`, `[train]`, an unknown key)."""
+    out = copy.deepcopy(raw)
+    for p in problems:
+        *parents, leaf = p.field.split(".")
+        table = functools.reduce(lambda d, k: d.get(k, {}) if isinstance(d, dict) else {}, parents, out)
+        if isinstance(table, dict):
+            table.pop(leaf, None)
+    return out
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

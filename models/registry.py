@@ -62,7 +62,7 @@ _NOT_ARGS = (
     "flavor",
     "hf",
     "capacity_factor",
-)  # capacity_factor: refused (dropless), meshforge/recipe.py
+)  # capacity_factor: refused (dropless), meshforge/recipe/
 
 
 def overrides_of(cfg: ModelConfig) -> dict[str, Any]:

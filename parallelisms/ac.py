@@ -1,12 +1,12 @@
 """Activation checkpointing: recompute a block's activations in backward instead of storing them.
 
 The block's forward is wrapped in place (not the module), so parameter names stay
-`layers.N.attention.wq.weight` for checkpoints, TP plans and golden files. Modes: `full` (every
-block), `selective` (every Nth block), `op` (every block, per op: torch's selective checkpoint
-contexts keep the outputs of the listed ops, matmuls, attention, TP's reduce-scatters, but
-recompute every second matmul and everything else; TorchTitan's default policy), `memory_budget`
-(no wrapper: torch.compile's min-cut partitioner keeps at most that share of each compiled block's
-activations for backward and recomputes the cheapest rest; it needs compile, as TorchTitan's does).
+`layers.N.attention.wq.weight` for checkpoints, TP plans and golden files. What is checkpointed is
+the recipe's `ACPolicy` (configs/activation_checkpoint.py): whole blocks (every block, or every
+Nth), per op (torch's selective checkpoint contexts keep the outputs of the listed ops, matmuls,
+attention, TP's reduce-scatters, but recompute every second matmul and everything else;
+TorchTitan's default policy), or no wrapper and a budget (torch.compile's min-cut partitioner keeps
+at most that share of each compiled block's activations and recomputes the cheapest rest).
 """
 
 from __future__ import annotations
@@ -16,34 +16,26 @@ import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from meshforge.configs.schema import ActivationCheckpointConfig
+from meshforge.configs import ACPolicy
 
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear")  # every second one is recomputed
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
-    """mode=full: every block; mode=selective: every `selective_every`-th block (by layer id);
-    mode=op: every block, keeping the outputs of `cfg.op_save` but every second matmul's."""
+def apply_ac(model: nn.Module, policy: ACPolicy) -> None:
+    """Wrap the forward of every block the policy checkpoints (by layer id), per op where it
+    keeps `save_ops`' outputs (but every second matmul's); a compiler budget is set process-wide."""
     # no wrapper for a budget: compile's partitioner reads it, process-wide (1.0, keep all, otherwise)
-    functorch_config.activation_memory_budget = cfg.memory_budget if cfg.mode == "memory_budget" else 1.0
-    if cfg.mode in ("none", "memory_budget"):
-        return
-    save = resolve_ops(cfg.op_save) if cfg.mode == "op" else None
+    functorch_config.activation_memory_budget = policy.compiler_budget
+    save = resolve_ops(list(policy.save_ops)) if policy.per_op else None
     for layer_id, block in model.layers.items():
-        if _checkpoints(layer_id, cfg):
+        if policy.checkpoints(int(layer_id)):
             block.forward = _checkpointed(block.forward, save)
 
 
-def checkpointed_blocks(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
+def checkpointed_blocks(model: nn.Module, policy: ACPolicy) -> int:
     """How many of `model`'s blocks apply_ac wraps: each run of one pays checkpointing's host work
     (its saved tensors' hooks, the recompute's set-up), which the step-time model prices per block."""
-    return sum(_checkpoints(layer_id, cfg) for layer_id in getattr(model, "layers", {}))
-
-
-def _checkpoints(layer_id: str, cfg: ActivationCheckpointConfig) -> bool:
-    if cfg.mode in ("none", "memory_budget"):
-        return False
-    return cfg.mode in ("full", "op") or int(layer_id) % cfg.selective_every == 0
+    return sum(policy.checkpoints(int(layer_id)) for layer_id in getattr(model, "layers", {}))
 
 
 def resolve_ops(names: list[str]) -> set:

@@ -23,6 +23,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from meshforge.configs import ACPolicy
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims, divisors
 from meshforge.models.common.moe import GroupedExperts, balanced, has_experts, moe_layers
@@ -64,7 +65,7 @@ def expert_major_order(by_source: torch.Tensor) -> torch.Tensor:
     return first_of_block + offset_in_block
 
 
-def check_ep(dims: ParallelDims, args, ac_mode: str) -> list[Problem]:
+def check_ep(dims: ParallelDims, args, ac: ACPolicy) -> list[Problem]:
     """What expert parallel needs: a model with sparse layers, an ep that divides both the dp_shard
     x cp ranks it borrows and the experts it splits whole, and no per-op AC (torch 2.13)."""
     if not dims.ep_enabled:
@@ -86,7 +87,7 @@ def check_ep(dims: ParallelDims, args, ac_mode: str) -> list[Problem]:
                 f"{args.num_experts} whole: it must divide both; valid ep: {', '.join(map(str, valid))}",
             )
         )
-    if ac_mode == "op":
+    if ac.per_op:
         problems.append(
             Problem(
                 "activation_checkpoint.mode",

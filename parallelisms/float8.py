@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from meshforge.configs import Problem
-from meshforge.configs.float8 import FLOAT8_RECIPES, Float8Config
+from meshforge.configs.parallelism import FLOAT8_RECIPES, Float8Config
 from meshforge.models import get_model_spec
 
 ALWAYS_KEPT = ("router",)  # a module under one of these names stays in high precision

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from meshforge.configs import ac_policy
 from meshforge.configs.schema import (
     ActivationCheckpointConfig,
     CompileConfig,
@@ -92,7 +93,7 @@ def parallelize(
             apply_cp(part, meshes.cp, cp, seq_len, dims.tp, device_type)
         if dims.tp_enabled:
             apply_tp(part, meshes.tp, tp, spec)
-        apply_ac(part, ac)
+        apply_ac(part, ac_policy(ac))
         apply_compile(part, compile)
         if fsdp_applies(dims, fsdp):
             apply_fsdp(part, meshes.fsdp, fsdp, meshes.experts_fsdp)

@@ -300,7 +300,7 @@ def test_the_import_check_sees_each_kind_of_side_effect(tmp_path):
 
 # Where a family's name may stand outside its folder, each for a reason the family cannot own.
 FAMILY_NAME_ALLOWED = {
-    ("configs/model_mesh.py", "llama3"): "the schema's default model.name (configs sits below models)",
+    ("configs/model.py", "llama3"): "the schema's default model.name (configs sits below models)",
     ("meshforge/migrate/torchtitan.py", "llama3"): "TorchTitan's own default model.name",
     ("models/common/hf_config.py", "llama3"): "HF's rope_type of Llama 3 frequency scaling",
     ("meshforge/simulate/host_probes.py", "meshforge.models.llama3.model"): "the probes time Llama 3",
@@ -358,4 +358,94 @@ def test_the_family_check_sees_a_literal_an_identifier_and_an_import(tmp_path):
         (1, "meshforge.models.qwen3.model"),
         (2, "LLAMA3_FLAVORS"),
         (3, "qwen3_moe"),
+    ]
+
+
+# The activation-checkpointing modes, asked of configs/activation_checkpoint.py's ACPolicy alone.
+# migrate/ reads TorchTitan's and DeepSpeed's own configs, whose mode names coincide with ours.
+AC_MODE_NAMES = {"full", "selective", "op", "memory_budget"}
+AC_POLICY_MODULE = "meshforge.configs.activation_checkpoint"
+
+
+def mode_strings_compared(path: Path, names: set[str]) -> list[int]:
+    """Lines of `path` where a Compare has one of `names` as a literal (alone or in a tuple/set)."""
+
+    def literals(node: ast.expr) -> set:
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {e.value for e in elts if isinstance(e, ast.Constant)}
+
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare) and any(literals(e) & names for e in [node.left, *node.comparators])
+    ]
+
+
+def test_no_ac_mode_string_is_compared_outside_its_policy(tmp_path):
+    """Every caller asks the policy (wraps_blocks, per_op, period, ...) what a mode does."""
+    found = {
+        name: lines
+        for name, path in module_files().items()
+        if name != AC_POLICY_MODULE and not name.startswith("meshforge.migrate")
+        if (lines := mode_strings_compared(path, AC_MODE_NAMES))
+    }
+    assert found == {}
+    planted = tmp_path / "planted.py"  # the check sees each shape of comparison
+    planted.write_text('a = m == "op"\nb = m in ("none", "full")\nc = "memory_budget" != m\nd = m == "x"\n')
+    assert mode_strings_compared(planted, AC_MODE_NAMES) == [1, 2, 3]
+
+
+# Each folder's own floors, bottom to top (a module may import its own floor and those below):
+# a rank's setup, then what runs in it, the trainer, and the launcher on top. Every folder
+# holding sub-folders is listed; a flat folder's modules only need to be free of cycles.
+# "*" is every sub-folder not named, one floor: models' families sit on common/ and may build on
+# one another (qwen3_moe on qwen3), so adding a family adds no line here.
+FLOORS = {
+    "meshforge.run": ["rank", "data", "checkpoint", "observe", "train", "launch"],
+    "meshforge.models": ["common", "*"],
+}
+
+
+def floor_index(order: list[str], sub: str) -> int:
+    return order.index(sub) if sub in order else order.index("*")
+
+
+def floor_violations(g: dict[str, list[tuple[str, bool, int]]], floors: dict[str, list[str]]) -> list[str]:
+    """Every import between two sub-folders of one folder that points up its floors."""
+    out = []
+    for folder, order in floors.items():
+
+        def floor(module: str) -> str | None:
+            rest = module.removeprefix(f"{folder}.").split(".")
+            return rest[0] if module.startswith(f"{folder}.") and len(rest) > 1 else None
+
+        for src, found in g.items():
+            for dst, _, line in found:
+                a, b = floor(src), floor(dst)
+                if a and b and floor_index(order, b) > floor_index(order, a):
+                    out.append(f"{src}:{line} imports {dst}, a higher floor of {folder} ({b} above {a})")
+    return out
+
+
+def test_no_import_points_up_a_folders_own_floors():
+    files = module_files()
+    with_subfolders = {
+        name.rpartition(".")[0]
+        for name, path in files.items()
+        if path.name == "__init__.py" and name.count(".") >= 2
+    }
+    assert with_subfolders == set(FLOORS), "a folder with sub-folders needs its floors in FLOORS"
+    for folder, order in FLOORS.items():  # every sub-folder has a floor
+        subs = {
+            name.split(".")[2] for name in files if name.startswith(f"{folder}.") and name.count(".") >= 3
+        }
+        assert subs == set(order) or ("*" in order and set(order) - {"*"} <= subs), folder
+    assert floor_violations(graph(files), FLOORS) == []
+
+
+def test_the_floor_check_sees_an_upward_import():
+    g = {"meshforge.run.train.lifecycle": [("meshforge.run.launch.watch", False, 24)]}
+    assert floor_violations(g, FLOORS) == [
+        "meshforge.run.train.lifecycle:24 imports meshforge.run.launch.watch, a higher floor of "
+        "meshforge.run (launch above train)"
     ]

@@ -11,7 +11,7 @@ import torch
 from conftest import QUICK, RECIPES, read_metrics, run_recipe
 
 from meshforge.configs import RecipeError
-from meshforge.configs.float8 import Float8Config
+from meshforge.configs.parallelism import Float8Config
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms.float8 import apply_float8, float8_layers

@@ -16,9 +16,9 @@ from conftest import QUICK, RECIPES
 
 from meshforge.core.topology import ParallelDims
 from meshforge.recipe import load_recipe
-from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
 from meshforge.run.observe.record import RunState, Throughput
+from meshforge.run.rank.distributed import DistEnv
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]

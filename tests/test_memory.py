@@ -401,7 +401,7 @@ def test_analytic_estimate_leaves_offloaded_states_off_the_device_and_checks_the
     from types import SimpleNamespace
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.launch import plan as plan_module
+    from meshforge.run.rank import plan as plan_module
 
     plain = plan_module.make_plan(load_recipe(RECIPES / "debug_cpu.toml", OFFLOAD_MESH, world_size=2))
     off = plan_module.make_plan(
@@ -452,7 +452,8 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
     gradient stay the same (the partitioner recomputes, it does not approximate)."""
     import dataclasses
 
-    from meshforge.configs.schema import ActivationCheckpointConfig, CompileConfig
+    from meshforge.configs import ACPolicy
+    from meshforge.configs.schema import CompileConfig
     from meshforge.models import get_model_spec
     from meshforge.parallelisms.ac import apply_ac
     from meshforge.parallelisms.compile import apply_compile
@@ -465,7 +466,7 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
         torch._dynamo.reset()
         model = spec.build(args)
         model.init_weights(0)
-        apply_ac(model, ActivationCheckpointConfig(mode="memory_budget", memory_budget=budget))
+        apply_ac(model, ACPolicy("memory_budget", budget=budget))
         apply_compile(model, CompileConfig(enabled=True))
         nbytes = [0]
 
@@ -478,8 +479,24 @@ def test_a_memory_budget_keeps_less_for_backward_as_it_falls_with_the_same_gradi
         loss.backward()
         saved[budget] = nbytes[0]
         grads[budget] = [p.grad for p in model.parameters()]
-    apply_ac(model, ActivationCheckpointConfig(mode="none"))  # the process-wide budget back to 1
+    apply_ac(model, ACPolicy("none"))  # the process-wide budget back to 1
     assert saved[1.0] > saved[0.5] > saved[0.0] > 0, saved
     for budget in (0.5, 0.0):
         for a, b in zip(grads[1.0], grads[budget]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_an_estimate_of_every_mesh_reads_its_recipe_once(monkeypatch, capsys):
+    """Each mesh is the recipe read once and its overrides, not the file read again per mesh."""
+    from rich.console import Console
+
+    from meshforge.configs import loader
+    from meshforge.simulate.estimate import print_estimate
+
+    reads = []
+    read = loader.read_toml
+    monkeypatch.setattr(loader, "read_toml", lambda path, *a: reads.append(path) or read(path, *a))
+    print_estimate(str(RECIPES / "debug_cpu.toml"), [], 4, True, True, None, Console())
+    printed = capsys.readouterr().out
+    assert "dp4" in printed and "dp2-tp2" in printed and "tp4: refused" in printed  # every mesh
+    assert reads == [(RECIPES / "debug_cpu.toml").resolve()]

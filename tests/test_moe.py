@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import RECIPES
 
-from meshforge.configs import RecipeError
+from meshforge.configs import ACPolicy, RecipeError
 from meshforge.core.topology import ParallelDims
 from meshforge.models import get_model_spec
 from meshforge.models.common.moe import MoE, update_expert_bias
@@ -129,9 +129,9 @@ def test_ep_borrows_from_dp_shard_x_cp_and_is_no_factor_of_the_world():
     assert dims.world_size == 8 and dims.label() == "dp4-ep2-tp2" and dims.degrees["ep"] == 2
     assert "ep=2" in dims.spelled() and "ep=" not in ParallelDims(dp_shard=4).spelled()  # only in use
     assert ParallelDims.from_degrees({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}).ep == 1
-    assert check_ep(ParallelDims(dp_shard=2, cp=2, ep=4), ARGS, "full") == []
+    assert check_ep(ParallelDims(dp_shard=2, cp=2, ep=4), ARGS, ACPolicy("full")) == []
     (problem,) = check_ep(
-        ParallelDims(dp_shard=4, cp=2, ep=3), dataclasses.replace(ARGS, num_experts=12), "full"
+        ParallelDims(dp_shard=4, cp=2, ep=3), dataclasses.replace(ARGS, num_experts=12), ACPolicy("full")
     )
     assert problem.field == "mesh.ep" and "valid ep: 1, 2, 4" in problem.message  # gcd(8, 12) = 4
     dense, sparse = ParallelDims.all_of_world(8), ParallelDims.all_of_world(8, experts=12)

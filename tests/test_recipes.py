@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import RECIPES
+from conftest import RECIPES, REPO, run_cli
 
 from meshforge.configs import RecipeError
 from meshforge.configs.schema import Recipe, field_doc, sections
@@ -110,7 +110,7 @@ def test_wrong_types_name_the_expected_type(tmp_path):
 
 def test_a_table_where_a_list_goes_is_a_wrong_type_and_a_bug_is_not(tmp_path, monkeypatch):
     p = problems(tmp_path, SINGLE + "[optimizer]\nbetas = { first = 0.9 }\n")
-    assert p["optimizer.betas"] == "wrong type: expected List[float]"
+    assert p["optimizer.betas"] == "wrong type: expected List[float] (the checks across fields left it out)"
     from meshforge.configs import loader
 
     def broken(*args, **kwargs):  # a bug while checking types is a bug, not a user's wrong type
@@ -143,11 +143,18 @@ def test_mesh_product_must_equal_world(tmp_path):
 def test_heads_and_kv_heads_must_divide_by_tp(tmp_path):
     # debug flavor: 4 heads, 2 kv heads
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nseq_len = 32\n")
-    assert "n_kv_heads=2 is not divisible by tp" in p["mesh.tp"]
-    assert "valid tp: 1, 2" in p["mesh.tp"]
+    assert (
+        p["mesh.tp"] == "n_kv_heads=2 (each rank needs whole kv heads): not divisible by tp; valid tp: 1, 2"
+    )
     p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 3\n[train]\nseq_len = 34\n")
-    assert "n_heads=4 is not divisible" in p["mesh.tp"]
-    assert "multiple of 3" in p["train.seq_len"]  # sequence parallel shards seq_len
+    assert (
+        p["mesh.tp"]
+        == "n_heads=4, n_kv_heads=2 (each rank needs whole kv heads), vocab 256: not divisible by tp; "
+        "valid tp: 1, 2"
+    )
+    assert "train.seq_len" not in p  # sequence parallel's split by a tp that cannot be is not offered
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ntp = 2\n[train]\nseq_len = 33\n")
+    assert "multiple of 2" in p["train.seq_len"]  # sequence parallel shards seq_len
 
 
 def test_context_parallel_rules_name_the_field_the_value_and_the_valid_choices(tmp_path):
@@ -181,7 +188,10 @@ def test_context_parallel_rules_name_the_field_the_value_and_the_valid_choices(t
         in p["fsdp.reshard_after_forward"]
     )
     # an odd tp: the suggestion keeps cp's 2 x cp chunks too (18 would not: 4 chunks of 4.5)
-    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 3\n[train]\nseq_len = 20\n")
+    six_heads = (
+        "[model]\ndim = 96\nn_heads = 6\nn_kv_heads = 3\nvocab_size = 258\nmultiple_of = 96\n"  # tp 3 fits
+    )
+    p = problems(tmp_path, "[mesh]\ndp_shard = 1\ncp = 2\ntp = 3\n[train]\nseq_len = 20\n" + six_heads)
     assert (
         "each cp rank's 10 tokens over tp=3: use a multiple of lcm(2 x cp, cp x tp) = 12, e.g. 12"
         in (p["train.seq_len"])
@@ -288,7 +298,7 @@ def test_refused_combinations_say_why_and_what_instead(tmp_path):
     assert load_recipe(write(tmp_path, tied), world_size=4).model.tie_embeddings
     p = problems(tmp_path, tied + "vocab_size = 255\n", world=4)
     assert "vocab 255 (the tied embedding and output shard it alike)" in p["mesh.tp"]
-    assert "valid tp: 3" in p["mesh.tp"] and "model.tie_embeddings" not in p
+    assert "valid tp: 1" in p["mesh.tp"] and "model.tie_embeddings" not in p  # 3 splits no head
     p = problems(tmp_path, SINGLE + '[fsdp]\nparam_dtype = "bfloat16"\nreduce_dtype = "float16"\n')
     assert (
         "unscaled gradients underflow" in p["fsdp.reduce_dtype"] and "now bfloat16" in p["fsdp.reduce_dtype"]
@@ -315,12 +325,24 @@ def test_every_violation_is_reported_at_once(tmp_path):
         "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n"
         "[optimizer]\nlr = 0.0\n[lrschedule]\nwarmup = 1\n",
     )
-    # an unknown section stops before cross-field rules; fix it and the rest appear together
-    assert list(p) == ["lrschedule"]
-    p = problems(
-        tmp_path, "[mesh]\ndp_shard = 1\ntp = 4\n[train]\nsteps = -2\nseq_len = 4098\n[optimizer]\nlr = 0.0\n"
-    )
-    assert {"mesh.tp", "train.steps", "train.seq_len", "optimizer.lr"} <= set(p)
+    # an unknown section and the rules across the other fields, in one pass
+    assert {"lrschedule", "mesh.tp", "train.steps", "train.seq_len", "optimizer.lr"} <= set(p)
+    assert "(the checks across fields left it out)" in p["lrschedule"]
+
+
+def test_a_type_error_and_a_mesh_problem_are_reported_in_one_pass_by_the_cli(tmp_path):
+    """As a user meets it: the type error and the mesh's problem together, exit 2, and one
+    "valid tp" offered by one rule (not "1, 2" in one line and "2, 4" in the next)."""
+    proc = run_cli(["recipes/debug_cpu.toml", "train.seq_len=abc", "mesh.tp=3"], cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "2 problem(s)" in out, out
+    assert "train.seq_len = 'abc': wrong type: expected int (the checks across fields left it out)" in out
+    tp_lines = [line for line in out.splitlines() if "mesh.tp = 3" in line]
+    assert tp_lines == [
+        "  mesh.tp = 3: n_heads=4, n_kv_heads=2 (each rank needs whole kv heads), vocab 256: not divisible "
+        "by tp; valid tp: 1, 2"
+    ], out
 
 
 def test_settings_the_chosen_source_does_not_read_are_refused(tmp_path):

@@ -82,7 +82,7 @@ def test_the_policies_a_sweep_leaves_out_on_degree_1_are_unread_there():
     """What the sweep relies on to leave a policy out on a mesh: every field of that section says,
     in the doc `meshforge explain` shows, that its dimension at degree 1 does not read it."""
     from meshforge.configs import Recipe
-    from meshforge.configs.inert import UNREAD_AT_DEGREE_1
+    from meshforge.recipe.inert import UNREAD_AT_DEGREE_1
 
     for dim, section in UNREAD_AT_DEGREE_1.items():
         cfg = getattr(Recipe(), section.rstrip("."))

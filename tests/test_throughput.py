@@ -75,8 +75,8 @@ def test_fp32_mfu_is_against_the_plain_fp32_peak_tf32_being_off(monkeypatch):
 def test_cpu_peak_is_one_ranks_share_of_the_cores(monkeypatch):
     """Rank 0 measures the matmul rate alone with its threads; 8 one-thread ranks on 2 cores
     each get a quarter of that, one process with both cores all of it."""
-    from meshforge.run.launch.distributed import DistEnv
     from meshforge.run.observe import flops
+    from meshforge.run.rank.distributed import DistEnv
 
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda dtype: 40e9)
     monkeypatch.setattr(flops.os, "sched_getaffinity", lambda pid: {0, 1})  # the cores this process may use

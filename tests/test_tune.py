@@ -15,6 +15,7 @@ import torch
 import torch._functorch.config as functorch_config
 from conftest import QUICK, RECIPES, run_cli, slurm_env
 
+from meshforge.configs import ac_policy
 from meshforge.configs.schema import ActivationCheckpointConfig
 from meshforge.core.tables import wide
 from meshforge.core.topology import ParallelDims
@@ -241,7 +242,7 @@ def test_the_checkpointed_blocks_counted_are_those_apply_ac_wraps(mode, every, s
         model = spec.build(spec.flavors["debug"])
     for layer_id in list(model.layers)[: 4 - stage_layers]:  # a stage keeps the ids of its layers
         del model.layers[layer_id]
-    cfg = ActivationCheckpointConfig(mode=mode, selective_every=every)
+    cfg = ac_policy(ActivationCheckpointConfig(mode=mode, selective_every=every))
     plain = {layer_id: block.forward for layer_id, block in model.layers.items()}
     try:
         apply_ac(model, cfg)

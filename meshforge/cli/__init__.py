@@ -105,7 +105,7 @@ def _start_rank_server(args: argparse.Namespace) -> None:
 
 
 def _env_world(nproc: int | None) -> int | None:
-    from meshforge.run.launch.distributed import env_world_size
+    from meshforge.run.rank.distributed import env_world_size
 
     return env_world_size() or nproc
 
@@ -113,10 +113,10 @@ def _env_world(nproc: int | None) -> int | None:
 def _world_for(path, overrides: list[str], world: int | None) -> int:
     """The world size a sweep or estimate is about: the one given, else the recipe mesh's
     (loading raises a RecipeError asking for a world size when the mesh has a -1)."""
-    from meshforge.configs.checks import mesh_world_size
+    from meshforge.configs.parallelism import mesh_world_size
     from meshforge.recipe import load_recipe
 
-    return world or mesh_world_size(load_recipe(path, overrides, world_size=None))
+    return world or mesh_world_size(load_recipe(path, overrides, world_size=None).mesh)
 
 
 # --- run_recipe ------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from meshforge.configs import load_config
     from meshforge.experiments.refine import refined_profile
     from meshforge.experiments.tune import tune
-    from meshforge.run.launch.distributed import pick_device_type
+    from meshforge.run.rank.distributed import pick_device_type
     from meshforge.simulate.calibrate import local_profile
 
     recipe_arg, overrides = _split_positionals(args.items)

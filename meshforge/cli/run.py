@@ -27,8 +27,8 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     from meshforge.core.errors import MachineError
     from meshforge.run.checkpoint.verify import check_checkpoints
     from meshforge.run.data.loader import check_data
-    from meshforge.run.launch.distributed import pick_device_type, under_torchrun
-    from meshforge.run.launch.plan import check_machine, make_plan
+    from meshforge.run.rank.distributed import pick_device_type, under_torchrun
+    from meshforge.run.rank.plan import check_machine, make_plan
 
     plan = make_plan(recipe)
     # what the run reads, checked here (nothing downloaded): bad data or checkpoints stop it, exit 2

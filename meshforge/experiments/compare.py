@@ -10,6 +10,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # the object API: files only, no pyplot backend chosen
 from rich.table import Table
 
+from meshforge.configs import ACPolicy
 from meshforge.core.errors import UsageError
 from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
@@ -38,7 +39,7 @@ class Run:
             parts.append(f"{r['pp']['schedule']} x{r['pp']['microbatches']}")
         if dims.cp_enabled:  # records from before cp have no [cp]: they read as cp 1
             parts.append(f"cp {r['cp']['method']}")
-        if r["activation_checkpoint"]["mode"] != "none":
+        if ACPolicy(r["activation_checkpoint"]["mode"]).enabled:
             parts.append(f"AC {r['activation_checkpoint']['mode']}")
         if r["fsdp"]["param_dtype"] != "float32":
             parts.append(r["fsdp"]["param_dtype"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from meshforge.configs import Problem, RecipeError, load_config
-from meshforge.configs.inert import unread_on_mesh
+from meshforge.configs import Problem, RecipeError, RecipeLike, load_config
 from meshforge.core.topology import ParallelDims
+from meshforge.recipe.inert import unread_on_mesh
 
 
 def mesh_shapes(world: int, experts: int = 0) -> list[dict[str, int]]:
@@ -46,7 +46,7 @@ def sweep_points(world: int, axes: dict[str, list[str]], experts: int = 0) -> li
 
 
 def grid_points(
-    recipe_path: str, overrides: list[str], world: int, axes: dict, only: list, experts: int
+    source: RecipeLike, overrides: list[str], world: int, axes: dict, only: list, experts: int
 ) -> list:
     """The sweep's (and tune's) points, after checking the axes: every value parses as its field
     (key, type), and every axis is read by some point; one no layout reads would change nothing."""
@@ -55,7 +55,7 @@ def grid_points(
     for key, values in axes.items():
         for value in values:
             try:
-                load_config(recipe_path, [*overrides, f"{key}={value}"])
+                load_config(source, [*overrides, f"{key}={value}"])
             except RecipeError as e:
                 problems += e.problems
         if not any(key in p.policy for p in points):

@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Recipe, RecipeError
+from meshforge.configs import Recipe, RecipeError, RecipeSource
 from meshforge.configs.schema import SweepConfig
 from meshforge.core.logs import log_level_name
 from meshforge.core.tables import add_name_column, wide
@@ -33,8 +33,8 @@ from meshforge.experiments.point_process import run_point
 from meshforge.experiments.slurm import check_commands, run_on_slurm
 from meshforge.experiments.sweep_record import append_row, measure, read_rows
 from meshforge.recipe import experts_of, load_recipe
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.loggers import wandb_settings
+from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.estimate import (
     analytic_figures,
     estimate_refusals,
@@ -58,8 +58,9 @@ def run_sweep(
     policy values); returns the sweep folder. `plan_only`: print each layout's traced
     estimate and whether it fits, launch nothing, write nothing."""
     console = console or Console(soft_wrap=True)
-    recipe_path = str(Path(recipe_path).resolve())  # Slurm jobs run it from elsewhere
-    base = load_recipe(recipe_path, [*overrides, *mesh_for(world)], world_size=world)
+    source = RecipeSource.read(recipe_path)  # read once: every point is it and its overrides
+    recipe_path = str(source.path.resolve())  # Slurm jobs run it from elsewhere
+    base = load_recipe(source, [*overrides, *mesh_for(world)], world_size=world)
     sw = base.sweep
     sw.axes = {**sw.axes, **(axes or {})}
     stem = Path(recipe_path).stem
@@ -68,7 +69,7 @@ def run_sweep(
     done = {} if plan_only else read_rows(record)
     group = base.logging.wandb_group or f"{stem}/{sweep_dir.name}"
     experts = experts_of(base)
-    points = grid_points(recipe_path, overrides, world, sw.axes, sw.only, experts)
+    points = grid_points(source, overrides, world, sw.axes, sw.only, experts)
     meshes = len(mesh_shapes(world, experts))
     launcher = "plan" if plan_only else choose_launcher(sw.launcher, world, base.train.device)
     layouts = len({ParallelDims(**p.mesh).label() for p in points})
@@ -94,7 +95,7 @@ def run_sweep(
             elif old.get("status") in ("queued", "running") and old.get("job_id"):
                 active[old["job_id"]] = (i, old)  # submitted by an earlier run: ask the scheduler again
             else:
-                planned.append(plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool))
+                planned.append(plan_point(i, pt, source, overrides, world, sw, group, sweep_dir, pool))
         if plan_only:
             for _, _, row, recipe, traces in planned:
                 if traces is not None:
@@ -141,7 +142,7 @@ def _judged(
             yield i, pt, row, recipe, point_command(recipe_path, row)
 
 
-def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool, work: bool = False) -> tuple:
+def plan_point(i, pt, source, overrides, world, sw, group, sweep_dir, pool, work: bool = False) -> tuple:
     """Validate one point and start its traced estimate (with its work for `tune`); (i, point,
     row, recipe, traces)."""
     row = {"label": pt.label, "mesh": pt.mesh, "policy": pt.policy, "overrides": pt.overrides()}
@@ -157,7 +158,7 @@ def plan_point(i, pt, recipe_path, overrides, world, sw, group, sweep_dir, pool,
         "logging.progress=false",
     ]
     try:
-        recipe = load_recipe(recipe_path, row["run_overrides"], world_size=world)
+        recipe = load_recipe(source, row["run_overrides"], world_size=world)
     except RecipeError as e:
         row.update(status="refused", error="; ".join(str(p) for p in e.problems))
         return i, pt, row, None, None

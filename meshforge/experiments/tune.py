@@ -22,8 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import RecipeError
-from meshforge.configs.inert import unread_on_mesh
+from meshforge.configs import RecipeError, RecipeSource
 from meshforge.configs.loader import recipe_to_toml
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
@@ -42,8 +41,9 @@ from meshforge.experiments.sweep_record import MEASURED, measure
 from meshforge.experiments.tune_caveats import batch_caveat, checkpoints, refuse_untraced, untraced_caveats
 from meshforge.models import args_from_config
 from meshforge.recipe import experts_of, load_recipe
-from meshforge.run.launch.plan import make_plan
+from meshforge.recipe.inert import unread_on_mesh
 from meshforge.run.observe.flops import flops_per_token
+from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.estimate import heaviest, role_works, trace_pool
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.step_time import predict_step
@@ -62,8 +62,9 @@ def tune(
 ) -> Path:
     """Predict, rank and (unless `plan_only`) confirm every point; returns the tune folder."""
     started = time.monotonic()
-    recipe_path = str(Path(recipe_path).resolve())
-    base = load_recipe(recipe_path, [*overrides, *mesh_for(world)], world_size=world)
+    source = RecipeSource.read(recipe_path)  # read once: every point is it and its overrides
+    recipe_path = str(source.path.resolve())  # the points' commands run it from elsewhere
+    base = load_recipe(source, [*overrides, *mesh_for(world)], world_size=world)
     sw = base.sweep
     axes = {**sw.axes, **axes}
     refuse_untraced(axes)
@@ -71,8 +72,8 @@ def tune(
     tune_dir = (tune_dir or Path(base.output_dir) / f"tune-{stem}-w{world}").resolve()
     group = base.logging.wandb_group or f"{stem}/{tune_dir.name}"
     experts = experts_of(base)
-    points = grid_points(recipe_path, overrides, world, axes, sw.only, experts)
-    own = _own_label(recipe_path, overrides, axes)
+    points = grid_points(source, overrides, world, axes, sw.only, experts)
+    own = _own_label(source, overrides, axes)
     console.print(
         f"tune {tune_dir}: {len(points)} points over {world} ranks, profile {profile.name}", highlight=False
     )
@@ -91,7 +92,7 @@ def tune(
         check_commands()  # before the plan's minutes, not after
     with trace_pool() as pool:
         planned = [
-            plan_point(i, pt, recipe_path, overrides, world, sw, group, tune_dir, pool, work=True)
+            plan_point(i, pt, source, overrides, world, sw, group, tune_dir, pool, work=True)
             for i, pt in enumerate(points, 1)
         ]
         rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]
@@ -137,17 +138,17 @@ def tune(
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "traced"}) + "\n")
     wide(console).print(confirmed_table(chosen, own))
-    _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console)
+    _report_best(source, overrides, world, chosen, own, tune_dir, console)
     flat = [{**r, **_flat(r)} for r in chosen]
     log_wandb_table(base, group, "tune_summary", flat, list(_flat(chosen[0])) if chosen else [], tune_dir)
     return tune_dir
 
 
-def _own_label(recipe_path: str, overrides: list[str], axes: dict[str, list[str]]) -> str | None:
+def _own_label(source: RecipeSource, overrides: list[str], axes: dict[str, list[str]]) -> str | None:
     """The label the recipe's own layout and policy values have in the grid (None: its mesh needs
     a world size, so it is no point of the grid)."""
     try:
-        cfg = load_recipe(recipe_path, overrides)
+        cfg = load_recipe(source, overrides)
     except RecipeError:
         return None
     mesh = ParallelDims.from_config(cfg.mesh).degrees
@@ -273,7 +274,7 @@ def confirmed_table(rows: list[dict], own: str) -> Table:
     return table
 
 
-def _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console) -> None:
+def _report_best(source: RecipeSource, overrides, world, chosen, own, tune_dir, console) -> None:
     """The fastest measured point (most tokens/s), its speedup over the recipe's own point, and
     the recipe with its overrides written out."""
     finished = [r for r in chosen if r["status"] == "finished"]
@@ -287,6 +288,8 @@ def _report_best(recipe_path, overrides, world, chosen, own, tune_dir, console) 
         speedup = best["measured"]["tokens_per_sec"] / mine["measured"]["tokens_per_sec"]
         line += f", {speedup:.2f}x the tokens/s of the recipe's own ({own})"
     out = tune_dir / "tune-best.toml"
-    recipe = load_recipe(recipe_path, [*overrides, *best["overrides"]], world_size=world)
-    out.write_text(f"# meshforge tune: {best['label']}, from {recipe_path}\n" + recipe_to_toml(recipe))
+    recipe = load_recipe(source, [*overrides, *best["overrides"]], world_size=world)
+    out.write_text(
+        f"# meshforge tune: {best['label']}, from {source.path.resolve()}\n" + recipe_to_toml(recipe)
+    )
     console.print(f"{line}; recipe: {out}", highlight=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshforge.configs import Problem, Recipe, RecipeError
+from meshforge.configs import ACPolicy, Problem, Recipe, RecipeError, ac_policy
 from meshforge.experiments.grid import Point
 from meshforge.recipe import experts_of
 
@@ -27,7 +27,7 @@ AC_MODE = "activation_checkpoint.mode"
 
 def untraced_reason(key: str, values: list[str]) -> str | None:
     """Why tune cannot rank an axis over `key` (None: it can)."""
-    if key == AC_MODE and "memory_budget" in values:  # the partitioner's, as above
+    if key == AC_MODE and any(ACPolicy(v).by_compiler for v in values):  # the partitioner's, as above
         return UNTRACED["activation_checkpoint.memory_budget"]
     return next(
         (why for k, why in UNTRACED.items() if key == k or (k.endswith(".") and key.startswith(k))), None
@@ -69,7 +69,7 @@ def ac_modes(base: Recipe, points: Sequence[Point]) -> set[str]:
 
 def checkpoints(base: Recipe, points: Sequence[Point]) -> bool:
     """Whether a point of the tune checkpoints blocks (apply_ac wraps them)."""
-    return bool(ac_modes(base, points) & {"full", "selective", "op"})
+    return any(ACPolicy(mode).wraps_blocks for mode in ac_modes(base, points))
 
 
 def untraced_caveats(
@@ -85,12 +85,12 @@ def untraced_caveats(
             "compile.enabled = true: each step is predicted as eager (compiled kernels' fusion is not "
             "modelled): a compiled run's step is shorter than its row"
         )
-    if recipe.activation_checkpoint.mode == "memory_budget":
+    if ac_policy(recipe.activation_checkpoint).by_compiler:
         lines.append(
             "activation_checkpoint.mode = memory_budget: predicted as no AC (the compiler's partitioner "
             "chooses the recompute): its recompute is not in the step, and the peak is an upper bound"
         )
-    if "op" in ac_modes(recipe, points):
+    if any(ACPolicy(mode).per_op for mode in ac_modes(recipe, points)):
         lines.append(
             "activation_checkpoint.mode = op: priced as full AC's hooks per block; its per-op policy "
             "(Python on every op of the forward and the recompute) is not: its step is longer than its row"

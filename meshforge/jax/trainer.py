@@ -39,11 +39,11 @@ from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder, resolve_load
 from meshforge.run.checkpoint.state import ModelState, OptimizerState, say_optimizer_changes
 from meshforge.run.data.global_batch import global_batch_loader
-from meshforge.run.launch.distributed import DistEnv
 from meshforge.run.observe.describe import run_info
 from meshforge.run.observe.flops import cpu_share, flops_per_token, peak_matmul_flops, usable_cores
 from meshforge.run.observe.memory import memory_metrics, rank_memory
 from meshforge.run.observe.record import RunState, Throughput
+from meshforge.run.rank.distributed import DistEnv
 from meshforge.run.train.evaluate import Evaluator, held_out_recipe
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.optim import lr_multiplier
@@ -206,9 +206,8 @@ class JaxTrainer(TrainingRun):
         stop signal)."""
         if self.evaluator.due(step):
             result.eval = self.evaluator(self)
-        last = step == self.recipe.train.steps
         seconds = self.checkpointer.maybe_save(
-            step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
+            step, last=self.is_last(step), stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
         )
         self._mirror = None
         return seconds

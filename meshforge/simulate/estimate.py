@@ -15,7 +15,7 @@ its depth (submit_trace). Measured against real runs by
 benchmarks/estimator_accuracy.py.
 
 Analytic, beside it: model states at 16 bytes/parameter (fp32 params + grads + AdamW
-moments) over the sharding, plus Korthikanti et al. 2022 activations (run/launch/analytic.py).
+moments) over the sharding, plus Korthikanti et al. 2022 activations (run/rank/analytic.py).
 
 With `fsdp.cpu_offload` both count the device only: the sharded parameters, their gradients
 and the optimizer state live on the host (`host`, for the machine check), so the traced peak
@@ -31,15 +31,15 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.configs import Recipe, RecipeError, load_config
+from meshforge.configs import Recipe, RecipeError, RecipeLike, RecipeSource, ac_policy, load_config
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
 from meshforge.models import args_from_config
 from meshforge.parallelisms.pp import stage_ids_for_rank, stage_layout
 from meshforge.recipe import experts_of, load_recipe
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.memtrace import CATEGORIES
+from meshforge.run.rank.plan import make_plan
 from meshforge.simulate.fake_rank import trace_pool
 from meshforge.simulate.hardware import Profile
 from meshforge.simulate.step_time import StepPrediction, predict_step
@@ -141,8 +141,7 @@ def submit_trace(recipe: Recipe, rank: int, pool, work: bool = False, paired: bo
     blocks are checkpointed. Each trace (or shallow pair) runs in its own worker process (trace_pool)."""
     dims = ParallelDims.from_config(recipe.mesh)
     counts = [len(ids) for ids in stage_layout_of(recipe, dims)]
-    ac = recipe.activation_checkpoint
-    period = ac.selective_every if ac.mode == "selective" else 1
+    period = ac_policy(recipe.activation_checkpoint).period
     least = MIN_SHALLOW_PERIODS * period
     low = [min(n, least + (n - least) % period) for n in counts]
     mine = (
@@ -230,18 +229,18 @@ def analytic_figures(plan) -> dict[str, int]:
 
 
 def estimate_rows(
-    recipe_path: str, overrides: list[str], world: int, all_meshes: bool, traced: bool = True
+    source: RecipeLike, overrides: list[str], world: int, all_meshes: bool, traced: bool = True
 ) -> list[dict]:
     """One row per mesh: the analytic figures, and (traced=True) the traced heaviest rank."""
     rows, pending, meshes = [], [], [None]
     if all_meshes:
-        meshes = ParallelDims.all_of_world(world, experts_of(load_config(recipe_path, overrides)[0]))
+        meshes = ParallelDims.all_of_world(world, experts_of(load_config(source, overrides)[0]))
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(trace_pool()) if traced else None
         for mesh in meshes:
             extra = mesh.overrides() if mesh else []
             try:
-                recipe = load_recipe(recipe_path, [*overrides, *extra], world_size=world)
+                recipe = load_recipe(source, [*overrides, *extra], world_size=world)
             except RecipeError as e:
                 rows.append({"layout": mesh.label() if mesh else "recipe", "refused": str(e.problems[0])})
                 continue
@@ -324,16 +323,17 @@ def print_estimate(
     console: Console,
 ) -> None:
     """`meshforge estimate`: the table (wide when not on a terminal) and the refused layouts."""
-    rows = estimate_rows(recipe_path, overrides, world, all_meshes, traced=not analytic)
+    source = RecipeSource.read(recipe_path)  # read once: every mesh is it and its overrides
+    rows = estimate_rows(source, overrides, world, all_meshes, traced=not analytic)
     out = wide(console)
     out.print(estimate_table(rows, device_memory))
-    for line in estimate_refusals(rows) + estimate_caveats(load_config(recipe_path, overrides)[0]):
+    for line in estimate_refusals(rows) + estimate_caveats(load_config(source, overrides)[0]):
         out.print(line, highlight=False, soft_wrap=True)
 
 
 def estimate_caveats(recipe: Recipe) -> list[str]:
     """What the trace cannot see of this recipe, said under the table."""
-    if recipe.activation_checkpoint.mode != "memory_budget":
+    if not ac_policy(recipe.activation_checkpoint).by_compiler:
         return []
     return [
         "activation_checkpoint.mode = memory_budget: traced eager (the compiler's partitioner, which "

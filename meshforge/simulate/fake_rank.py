@@ -23,8 +23,8 @@ from meshforge.configs import Recipe
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config, get_model_spec
 from meshforge.parallelisms import Meshes, ParallelModel, build_meshes, parallelize
-from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.observe.flops import usable_cores
+from meshforge.run.rank.distributed import pick_device_type
 
 
 @contextlib.contextmanager

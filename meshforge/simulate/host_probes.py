@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from meshforge.configs.schema import ActivationCheckpointConfig, FSDPConfig
+from meshforge.configs import ACPolicy
+from meshforge.configs.schema import FSDPConfig
 from meshforge.models.llama3.model import LlamaArgs, Transformer
 from meshforge.parallelisms.ac import apply_ac, checkpointed_blocks
 from meshforge.parallelisms.fsdp import apply_fsdp, fsdp_units
@@ -172,7 +173,7 @@ def checkpoint_overhead() -> float:
     measured cost 1.5-5x what the ops alone predicted. A dense Llama block's: a
     block that saves more tensors (an MoE block) pays more."""
     model, tokens = _tiny_llama()
-    full = ActivationCheckpointConfig(mode="full")
+    full = ACPolicy("full")
     apply_ac(model, full)
     return hooks_beyond_ops(tiny_llama_step(), llama_step(model, tokens), checkpointed_blocks(model, full))
 

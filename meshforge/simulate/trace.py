@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import _disable_current_modes
 
-from meshforge.configs import Recipe
+from meshforge.configs import Recipe, ac_policy
 from meshforge.core.tensors import local_tensor
 from meshforge.core.topology import ParallelDims
 from meshforge.models import args_from_config
@@ -27,9 +27,9 @@ from meshforge.parallelisms.fsdp import DTYPES, fsdp_applies, fsdp_units, quiet_
 from meshforge.parallelisms.pp import build_schedule
 from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.parallelisms.tied import tie_across_stages
-from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.observe.memory import LOGGED_FIGURES
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories, phase_peak_categories
+from meshforge.run.rank.distributed import pick_device_type
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, clip_grad_norm, cross_entropy_sum
 from meshforge.simulate.fake_rank import isolated_sharding_propagation, simulated_rank
@@ -64,8 +64,8 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
         _allocate_moments(optimizers)  # steady state: as on step 2 of a run
         offloaded = _sharded_states(pmodel.parts, optimizers)  # before a step leaves params unsharded
         tracker = make_tracker(pmodel.parts, optimizers)
-        ac = recipe.activation_checkpoint
-        tracker.locate = block_locator(pmodel.parts, ac.selective_every if ac.mode == "selective" else 1)
+        ac = ac_policy(recipe.activation_checkpoint)
+        tracker.locate = block_locator(pmodel.parts, ac.period)
         # above the tracker, which hands DTensor ops on unseen: the recorder counts them, then
         # their local ops come back through both
         recorder = CostRecorder(lambda: tracker.phase) if work else contextlib.nullcontext()

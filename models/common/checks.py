@@ -19,30 +19,21 @@ def check_heads_on_mesh(a, dims: ParallelDims) -> list[Problem]:
             )
         )
     tp = dims.tp
-    if tp > 1:
-        valid_tp = nearest(tp, [d for d in divisors(a.kv_heads) if a.n_heads % d == 0])
-        if a.n_heads % tp:
-            problems.append(
-                Problem("mesh.tp", tp, f"n_heads={a.n_heads} is not divisible by tp; valid tp: {valid_tp}")
-            )
-        if a.kv_heads % tp:
-            problems.append(
-                Problem(
-                    "mesh.tp",
-                    tp,
-                    f"n_kv_heads={a.kv_heads} is not divisible by tp (each rank needs "
-                    f"whole kv heads, so n_kv_heads >= tp); valid tp: {valid_tp}",
-                )
-            )
-        if a.ffn_hidden_dim % tp or a.vocab_size % tp:
-            whole = [d for d in divisors(a.ffn_hidden_dim) if a.vocab_size % d == 0 and d > 1]
-            tied = " (the tied embedding and output shard it alike)" if a.tie_embeddings else ""
-            problems.append(
-                Problem(
-                    "mesh.tp",
-                    tp,
-                    f"FFN hidden {a.ffn_hidden_dim} and vocab {a.vocab_size}{tied} must be divisible by "
-                    f"tp; valid tp: {nearest(tp, whole or [1])}",
-                )
-            )
+    if tp > 1 and tp not in valid_tp(a):
+        tied = " (the tied embedding and output shard it alike)" if a.tie_embeddings else ""
+        uneven = [
+            f"n_heads={a.n_heads}" if a.n_heads % tp else "",
+            f"n_kv_heads={a.kv_heads} (each rank needs whole kv heads)" if a.kv_heads % tp else "",
+            f"FFN hidden {a.ffn_hidden_dim}" if a.ffn_hidden_dim % tp else "",
+            f"vocab {a.vocab_size}{tied}" if a.vocab_size % tp else "",
+        ]
+        fix = f"not divisible by tp; valid tp: {nearest(tp, valid_tp(a))}"
+        problems.append(Problem("mesh.tp", tp, f"{', '.join(filter(None, uneven))}: {fix}"))
     return problems
+
+
+def valid_tp(a) -> list[int]:
+    """The tensor-parallel degrees that split heads, kv heads, FFN and vocab evenly: the one rule
+    behind every "valid tp" a message offers."""
+    split = (a.n_heads, a.kv_heads, a.ffn_hidden_dim, a.vocab_size)
+    return [d for d in divisors(a.kv_heads) if all(n % d == 0 for n in split)]

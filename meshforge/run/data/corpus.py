@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from meshforge.configs.inert import FILE_FORMATS
 from meshforge.configs.schema import DataConfig
 from meshforge.core.errors import (
     DataError,
@@ -36,6 +35,7 @@ from meshforge.core.errors import (
     MissingColumn,
 )
 from meshforge.core.seeding import window_shuffle
+from meshforge.recipe.inert import FILE_FORMATS
 from meshforge.run.data.verify import first_problem
 
 log = logging.getLogger(__name__)

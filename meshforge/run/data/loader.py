@@ -210,7 +210,7 @@ def check_data(recipe: Recipe, vocab_size: int) -> list[str]:
         return [f"synthetic Markov source (branching {d.markov_branching}, seed {d.seed})"]
     problems, lines = [], []
     corpora = [("data.path", d.path)] if d.source == "files" else []
-    if recipe.eval.path and recipe.eval.every:  # eval off: eval.path is unread (configs/inert.py)
+    if recipe.eval.path and recipe.eval.every:  # eval off: eval.path is unread (recipe/inert.py)
         corpora.append(("eval.path", recipe.eval.path))
     for field, pattern in corpora:
         try:

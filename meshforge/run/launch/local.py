@@ -34,11 +34,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from meshforge.configs import Recipe
 from meshforge.core.errors import EXIT_INTERRUPTED, Interrupted, LaunchFailed
 from meshforge.core.logs import LOG_LEVEL_ENV, log_level_name
-from meshforge.run.launch.distributed import pick_device_type
 from meshforge.run.launch.rank_server import start_rank_server
-from meshforge.run.launch.watch import LAUNCHED_ENV, RunWatcher
+from meshforge.run.launch.watch import RunWatcher
 from meshforge.run.observe.console import RunConsole
 from meshforge.run.observe.record import mark_failed
+from meshforge.run.rank.distributed import pick_device_type
+from meshforge.run.rank.env import LAUNCHED_ENV
 from meshforge.run.train import guards
 from meshforge.run.train.trainer import train
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 
 from meshforge.configs import Recipe
-from meshforge.configs.checks import mesh_world_size
+from meshforge.configs.parallelism import mesh_world_size
+from meshforge.run.rank.env import under_torchrun
 
 RANK_ENTRY = "meshforge.run.launch.local"  # what a rank runs, with everything it imports
 
@@ -27,15 +27,9 @@ def start_rank_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def under_torchrun() -> bool:
-    """True when torchrun (or our local launcher, which is torchrun's API) started us. Here, not in
-    distributed.py, so the CLI can ask before it imports torch."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def forks_cpu_ranks(recipe: Recipe) -> bool:
     """Whether run_recipe will fork several local CPU ranks of this (unvalidated) recipe: a fixed
     mesh of more than one rank on `device = "cpu"`, not under torchrun (whose workers are started
     already)."""
-    several = (mesh_world_size(recipe) or 1) > 1  # None: a -1 degree, sized by the world later
+    several = (mesh_world_size(recipe.mesh) or 1) > 1  # None: a -1 degree, sized by the world later
     return recipe.backend == "torch" and recipe.train.device == "cpu" and several and not under_torchrun()

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from meshforge.run.observe.console import Banner, RunConsole
 
-LAUNCHED_ENV = "MESHFORGE_CONSOLE"  # set to "launcher" for the ranks: the launcher owns the terminal
 # what a log line's own prefix adds (torch's "[rank3]:W1130 21:50:26.478000 14124 ", a path:line)
 _PREFIX = re.compile(r"^(\[rank\d+\]:)?[WIEF]\d{4} [\d:.]+ \d+ ")
 # a line meshforge's own logging wrote in a rank (core/logs.py's format)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from meshforge.configs import Recipe, recipe_to_dict, recipe_to_toml
 from meshforge.core.topology import ParallelDims
-from meshforge.run.launch.plan import model_source
 from meshforge.run.observe.console import Banner, RunConsole
 from meshforge.run.observe.figures import save_breakdown, save_pipeline
 from meshforge.run.observe.loggers import LoggerContainer, build_loggers
 from meshforge.run.observe.record import RunRecord
+from meshforge.run.rank.plan import model_source
 
 
 def run_info(recipe: Recipe, dims: ParallelDims, device: str, n_params: int, **extra) -> dict:

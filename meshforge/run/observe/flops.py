@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from meshforge.models.common.moe import unpicked_params
 from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.run.launch.distributed import DistEnv
+from meshforge.run.rank.distributed import DistEnv
 
 # Dense peak TFLOP/s per device, by (name fragment, compute dtype). MFU is reported only
 # where the device is known; add yours here. float32 is the plain fp32 (CUDA core) peak, not

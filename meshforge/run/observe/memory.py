@@ -19,11 +19,7 @@ import torch.distributed as dist
 
 from meshforge.core.tensors import local_tensor
 from meshforge.core.units import GiB
-
-
-def host_memory_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+from meshforge.run.rank.env import host_memory_bytes
 
 
 def _rss_bytes() -> int:

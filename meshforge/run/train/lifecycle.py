@@ -19,13 +19,13 @@ from meshforge.configs import Recipe
 from meshforge.core.errors import Interrupted, OutOfMemory
 from meshforge.core.topology import ParallelDims
 from meshforge.run.data.loader import StepLoader
-from meshforge.run.launch import distributed as mfdist
-from meshforge.run.launch.distributed import DistEnv
-from meshforge.run.launch.watch import LAUNCHED_ENV
 from meshforge.run.observe.console import RunConsole
 from meshforge.run.observe.describe import banner, log_final, open_run
 from meshforge.run.observe.loggers import LoggerContainer
 from meshforge.run.observe.record import RunRecord, RunState, StepTime, Throughput, exclusion, summarize
+from meshforge.run.rank import distributed as mfdist
+from meshforge.run.rank.distributed import DistEnv
+from meshforge.run.rank.env import LAUNCHED_ENV
 from meshforge.run.train.guards import StopSignals
 from meshforge.run.train.paced_gc import paced_gc
 
@@ -95,6 +95,10 @@ class TrainingRun:
         """What follows a step before its time ends (evaluation, the bad-step budget, a
         checkpoint); returns the seconds a checkpoint save held training up, None if none."""
         return None
+
+    def is_last(self, step: int) -> bool:
+        """Whether `step` is the loop's last (train.steps): the one a checkpoint policy always saves."""
+        return step == self.recipe.train.steps
 
     def layout(self) -> list[list[int]] | None:
         """The pipeline's layers per stage, for the banner (None: not pipelined)."""

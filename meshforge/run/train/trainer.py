@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from meshforge.configs import Recipe, recipe_to_dict
+from meshforge.configs import Recipe, ac_policy, recipe_to_dict
 from meshforge.core.logs import setup_logging
 from meshforge.core.seeding import seed_process
 from meshforge.core.topology import ParallelDims
@@ -29,8 +29,6 @@ from meshforge.parallelisms.pp import ZERO_BUBBLE_SCHEDULES, build_schedule
 from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run.checkpoint.dcp import Checkpointer, checkpoint_folder
 from meshforge.run.checkpoint.state import ModelState, OptimizerState
-from meshforge.run.launch import distributed as mfdist
-from meshforge.run.launch.plan import make_plan
 from meshforge.run.observe.describe import draw_breakdown, draw_pipeline, run_info
 from meshforge.run.observe.flops import device_peak_flops, flops_per_token
 from meshforge.run.observe.loggers import LoggerContainer
@@ -44,6 +42,8 @@ from meshforge.run.observe.memory import (
 from meshforge.run.observe.memtrace import in_gib, peak_categories, tracked_step
 from meshforge.run.observe.profile import DATA, OPTIMIZER, PARTS, StepProfiler
 from meshforge.run.observe.record import RunRecord, RunState, Throughput
+from meshforge.run.rank import distributed as mfdist
+from meshforge.run.rank.plan import make_plan
 from meshforge.run.train.evaluate import data_streams
 from meshforge.run.train.forward_backward import ForwardBackward, Phase, PipelineLoss
 from meshforge.run.train.guards import BadStepBudget
@@ -196,7 +196,7 @@ class Trainer(TrainingRun):
         on_breakdown_step = step == self.recipe.logging.memory_breakdown_step
         if on_breakdown_step and self._breakdown_blocked:
             self.console.note(self._breakdown_blocked)
-        if on_breakdown_step and self.recipe.activation_checkpoint.mode == "memory_budget":
+        if on_breakdown_step and ac_policy(self.recipe.activation_checkpoint).by_compiler:
             self.console.note(
                 "memory by category runs its step eager (a dispatch mode cannot watch a compiled graph): "
                 "the memory budget's recomputation is not in its activations"
@@ -308,9 +308,8 @@ class Trainer(TrainingRun):
             self.console.note(overflow_note(step, result.loss_scale))
         elif not result.finite:
             self.console.note(self.budget.spend(step, float(result.loss), float(result.grad_norm)))
-        last = step == self.recipe.train.steps
         return self.checkpointer.maybe_save(
-            step, last=last, stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
+            step, last=self.is_last(step), stopping=result.stop, meta=lambda: self._checkpoint_meta(step)
         )
 
     # --- what the lifecycle asks --------------------------------------------------------

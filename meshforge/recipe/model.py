@@ -1,83 +1,19 @@
-"""A recipe, loaded and validated against everything it names: the configs' own rules, the
-model family's rules on the mesh, the pipeline schedule's, the parallelisms' combinations.
-
-Every problem is reported at once (field, value, fix); -1 fields come back resolved.
-"""
+"""The rules on the recipe's model: its family and flavor (or HF folder), the sequence against
+the model and the mesh (cp's chunks and heads, sequence parallel's split), expert parallel and
+MoE's settings, an HF folder to start from."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 
-from meshforge.configs import Problem, Recipe, RecipeError, checks, load_config
+from meshforge.configs import Problem, Recipe, ac_policy
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
 from meshforge.models.common.moe import has_experts
-from meshforge.parallelisms.ac import unknown_ops
 from meshforge.parallelisms.cp import ATTENTION, shape_problems
 from meshforge.parallelisms.ep import check_ep
-from meshforge.parallelisms.float8 import check_float8
-from meshforge.parallelisms.fsdp import DTYPES
-from meshforge.parallelisms.pp import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_pipeline
-
-
-def load_recipe(
-    path_or_name: str | Path | None,
-    overrides: Sequence[str] = (),
-    world_size: int | None = None,
-) -> Recipe:
-    """Load, merge and validate a recipe; -1 fields come back resolved for `world_size`.
-
-    Raises RecipeError listing every problem.
-    """
-    recipe, path = load_config(path_or_name, overrides)
-    problems = validate(recipe, world_size)
-    if problems:
-        raise RecipeError(problems, str(path))
-    return recipe
-
-
-def validate(r: Recipe, world_size: int | None) -> list[Problem]:
-    """Every rule; resolves -1 degrees, batch sizes and microbatches in place."""
-    mesh_problems = checks.resolve_mesh(r, world_size)
-    problems = check_choices(r) + mesh_problems
-    dims = ParallelDims.from_config(r.mesh) if not mesh_problems else None
-    model_problems, args = resolve_model(r)
-    problems += model_problems
-    family_problems = []
-    if args is not None:
-        family_problems = get_model_spec(r.model.name).check(args, dims or ParallelDims())
-        problems += family_problems + check_shapes(r, args, dims)
-    buildable = None if model_problems or family_problems else args  # float8's check builds it
-    if dims is not None:
-        batch_problems = checks.resolve_batch(r)
-        problems += batch_problems
-        if args is not None and not batch_problems:  # the schedule's rules need a resolved batch
-            problems += check_pipeline(r.pp, dims.pp, args.n_layers, r.train.micro_batch_size)
-        problems += check_combinations(r, dims)
-        problems += check_experts(r, args, dims)
-    problems += checks.check(r)
-    problems += check_op_names(r)
-    problems += check_profile(r)
-    if args is not None:
-        problems += check_hf_init(r, args)
-    problems += check_float8(r.float8, r.backend, r.fsdp.param_dtype, r.model.name, buildable)
-    return problems
-
-
-def check_choices(r: Recipe) -> list[Problem]:
-    """Choices owned by the registry and the parallelisms: model, flavor, dtypes, schedule."""
-    return checks.choice_problems(
-        {
-            "fsdp.param_dtype": (r.fsdp.param_dtype, tuple(DTYPES)),
-            "fsdp.reduce_dtype": (r.fsdp.reduce_dtype, tuple(DTYPES)),
-            "pp.schedule": (r.pp.schedule, SCHEDULES),
-            "cp.method": (r.cp.method, tuple(ATTENTION)),
-            "model.name": (r.model.name, tuple(MODELS)),
-        }
-    )
 
 
 def resolve_model(r: Recipe) -> tuple[list[Problem], object | None]:
@@ -173,58 +109,6 @@ def check_sequence_split(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
     return problems
 
 
-def check_combinations(r: Recipe, dims: ParallelDims) -> list[Problem]:
-    """Combinations measured wrong on torch 2.13 (CPU/gloo): refused, with the reason."""
-    problems = []
-    zero_bubble = r.mesh.pp > 1 and r.pp.schedule in ZERO_BUBBLE_SCHEDULES
-    if zero_bubble and dims.fsdp_shard > 1 and r.fsdp.reshard_after_forward:
-        problems.append(
-            Problem(
-                "fsdp.reshard_after_forward",
-                True,
-                f"{r.pp.schedule} with FSDP resharding after forward gives wrong gradients on torch "
-                "2.13; set fsdp.reshard_after_forward=false or use 1F1B/Interleaved1F1B",
-            )
-        )
-    if r.fsdp.reduce_dtype == "float16" and r.fsdp.param_dtype != "float16":
-        problems.append(
-            Problem(
-                "fsdp.reduce_dtype",
-                "float16",
-                f"float16 reductions of unscaled gradients underflow; only fsdp.param_dtype=float16 runs "
-                f"a loss scale (now {r.fsdp.param_dtype}): set reduce_dtype=float32 or param_dtype=float16",
-            )
-        )
-    if r.eval.every and r.mesh.pp > 1 and r.pp.schedule in V_SCHEDULES:
-        problems.append(
-            Problem(
-                "eval.every",
-                r.eval.every,
-                f"{r.pp.schedule}'s forward-only pass fails on torch 2.13 (it splits a backward it does "
-                "not have); set eval.every=0 or use 1F1B, Interleaved1F1B or InterleavedZeroBubble",
-            )
-        )
-    if r.activation_checkpoint.mode == "memory_budget" and not r.compile.enabled:
-        problems.append(
-            Problem(
-                "activation_checkpoint.mode",
-                "memory_budget",
-                "the budget is torch.compile's: its partitioner chooses what a compiled block recomputes; "
-                "set compile.enabled=true, or mode=op / full for eager checkpointing",
-            )
-        )
-    if r.compile.enabled and r.mesh.tp > 1:
-        problems.append(
-            Problem(
-                "compile.enabled",
-                True,
-                "torch.compile with tensor parallel loses the tok_embeddings gradient on torch 2.13; "
-                "set compile.enabled=false or mesh.tp=1",
-            )
-        )
-    return problems
-
-
 def experts_of(r: Recipe) -> int:
     """The experts per sparse layer of the recipe's model (0: a dense model, or one not resolved):
     sweeps and estimates cross every mesh with the ep degrees they allow."""
@@ -238,7 +122,10 @@ def experts_of(r: Recipe) -> int:
 def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
     """Expert parallel's rules (parallelisms/ep.py); MoE is dropless, torch-only, and a balancing
     setting the chosen balancing does not read is refused."""
-    m, problems = r.model, check_ep(dims, args, r.activation_checkpoint.mode) if args is not None else []
+    m, problems = (
+        r.model,
+        check_ep(dims, args, ac_policy(r.activation_checkpoint)) if args is not None else [],
+    )
     if m.capacity_factor is not None:
         problems.append(
             Problem(
@@ -269,62 +156,6 @@ def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
             )
         )
     return problems
-
-
-def check_profile(r: Recipe) -> list[Problem]:
-    """Profiled steps that exist, apart from the memory step, where a profiler can be had."""
-    p, problems = r.profile, []
-    if p.start_step < 0 or p.steps < 1:
-        problems.append(
-            Problem("profile", f"start_step={p.start_step}, steps={p.steps}", "start_step >= 0, steps >= 1")
-        )
-    if not p.start_step or problems:
-        return problems
-    last = p.start_step + p.steps - 1
-    if last > r.train.steps:
-        problems.append(
-            Problem(
-                "profile.start_step",
-                p.start_step,
-                f"steps {p.start_step}-{last} end after train.steps={r.train.steps}",
-            )
-        )
-    if p.start_step <= r.logging.memory_breakdown_step <= last:
-        problems.append(
-            Problem(
-                "profile.start_step",
-                p.start_step,
-                f"the profiled steps hold logging.memory_breakdown_step={r.logging.memory_breakdown_step} "
-                "(its tracker would be in the trace): profile other steps, or move or 0 the memory step",
-            )
-        )
-    if p.memory_snapshot and r.train.device == "cpu":
-        problems.append(
-            Problem("profile.memory_snapshot", True, "a CUDA allocator snapshot: not on train.device=cpu")
-        )
-    if r.backend == "jax":
-        problems.append(
-            Problem("profile.start_step", p.start_step, "torch.profiler profiles backend=torch runs")
-        )
-    return problems
-
-
-def check_op_names(r: Recipe) -> list[Problem]:
-    """Per-op AC names ops by namespace.name: one torch does not have is refused, not skipped."""
-    ac = r.activation_checkpoint
-    unknown = unknown_ops(ac.op_save) if ac.mode == "op" else []
-    return (
-        [
-            Problem(
-                "activation_checkpoint.op_save",
-                unknown,
-                "not ops of this torch: name each as namespace.name, e.g. aten.mm or "
-                "_c10d_functional.reduce_scatter_tensor",
-            )
-        ]
-        if unknown
-        else []
-    )
 
 
 def check_hf_init(r: Recipe, args) -> list[Problem]:

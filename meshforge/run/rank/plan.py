@@ -14,8 +14,8 @@ from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.models.common.moe import expert_params, has_experts, unpicked_params
 from meshforge.parallelisms.pp import stage_layout
-from meshforge.run.launch.analytic import activation_bytes, placed_state_bytes
-from meshforge.run.observe.memory import host_memory_bytes
+from meshforge.run.rank.analytic import activation_bytes, placed_state_bytes
+from meshforge.run.rank.env import host_memory_bytes
 
 
 @dataclass

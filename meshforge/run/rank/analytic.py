@@ -6,7 +6,7 @@ sits above `run` because it drives the run's own step."""
 
 from __future__ import annotations
 
-from meshforge.configs import Recipe
+from meshforge.configs import Recipe, ac_policy
 from meshforge.core.topology import ParallelDims
 from meshforge.models.common.moe import has_experts
 from meshforge.parallelisms.fsdp import DTYPES
@@ -45,10 +45,9 @@ def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:
         moe = bytes_per_value * copies * (2 * args.dim + 3 * args.moe_dim) + 4 * tokens * args.num_experts
         per_layer += moe * args.n_moe_layers / args.n_layers
     layers = args.n_layers / dims.pp
-    if r.activation_checkpoint.mode == "full":
-        stored = layers * tokens * args.dim * bytes_per_value + per_layer  # block inputs + one recompute
-    elif r.activation_checkpoint.mode == "selective":
-        kept = layers * (1 - 1 / r.activation_checkpoint.selective_every)
+    ac = ac_policy(r.activation_checkpoint)
+    if ac.wraps_blocks and not ac.per_op:  # whole blocks: every `period`-th keeps only its input
+        kept = layers * (1 - 1 / ac.period)  # + one block's recompute
         stored = kept * per_layer + (layers - kept) * tokens * args.dim * bytes_per_value + per_layer
     else:  # none, per-op AC and a memory budget counted as none: an upper bound (the traced estimate
         stored = layers * per_layer  # sees what per-op AC keeps)

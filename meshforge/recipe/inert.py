@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import PurePath
 
+from meshforge.configs import Recipe
+from meshforge.configs.activation_checkpoint import READ_BY, ac_policy
 from meshforge.core.errors import Problem
-
-from .schema import Recipe
 
 # a local file's suffix -> the HF datasets builder that reads it (one owner: the corpus reader uses it)
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}
@@ -105,12 +105,8 @@ def check_inert(r: Recipe) -> list[Problem]:
             "set fsdp.param_dtype=float16",
         )
     ac = r.activation_checkpoint
-    for mode, name, reads_none in (
-        ("selective", "selective_every", "checkpoints no Nth block"),
-        ("op", "op_save", "keeps no op's outputs"),
-        ("memory_budget", "memory_budget", "gives the compiler no budget"),
-    ):
-        if ac.mode != mode:
+    for name, (mode, reads_none) in READ_BY.items():
+        if not ac_policy(ac).reads(name):
             why = f"activation_checkpoint.mode = {ac.mode!r} {reads_none}"
             problems += unread_problems(
                 "activation_checkpoint", ac, (name,), why, f"set activation_checkpoint.mode={mode}"

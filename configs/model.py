@@ -1,4 +1,4 @@
-"""The recipe's [model] and [mesh] sections (split from schema.py, which re-exports them)."""
+"""The [model] section: the family, its flavor or HF folder, and overrides of its fields."""
 
 from __future__ import annotations
 
@@ -53,22 +53,4 @@ class ModelConfig:
     )
     capacity_factor: float | None = F(
         None, "refused: meshforge's MoE is dropless (every token reaches its top-k experts)"
-    )
-
-
-@dataclass
-class MeshConfig:
-    dp_replicate: int = F(1, "data-parallel replicas (DDP, or the outer dim of HSDP); -1 = the rest")
-    dp_shard: int = F(-1, "FSDP shard degree; -1 = the rest of the world size")
-    cp: int = F(
-        1,
-        "context-parallel degree (every sequence split over cp ranks, attention across them; FSDP "
-        "shards over dp_shard x cp)",
-    )
-    tp: int = F(1, "tensor-parallel degree (heads and FFN split across ranks)")
-    pp: int = F(1, "pipeline-parallel degree (layers split into stages)")
-    ep: int = F(
-        1,
-        "expert-parallel degree (MoE): experts split over ep ranks borrowed from dp_shard x cp, which "
-        "it must divide; not a factor of the world size",
     )

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import math
 
+from meshforge.configs import Recipe
+from meshforge.configs.activation_checkpoint import MODES as AC_MODES
 from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import MESH_DIMS
 
 from .inert import check_inert
-from .schema import Recipe
-
-
-def mesh_world_size(recipe: Recipe) -> int | None:
-    """The world size the mesh spells out, or None if a degree is -1."""
-    degrees = [getattr(recipe.mesh, n) for n in MESH_DIMS]
-    return None if -1 in degrees else math.prod(degrees)
 
 
 def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
@@ -52,10 +47,7 @@ def check_enums(r: Recipe) -> list[Problem]:
         "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
         "lr_scheduler.warmup_shape": (r.lr_scheduler.warmup_shape, ("linear", "log")),
         "lr_scheduler.convention": (r.lr_scheduler.convention, ("torchtitan", "deepspeed")),
-        "activation_checkpoint.mode": (
-            r.activation_checkpoint.mode,
-            ("none", "full", "selective", "op", "memory_budget"),
-        ),
+        "activation_checkpoint.mode": (r.activation_checkpoint.mode, AC_MODES),
         "data.source": (r.data.source, ("synthetic", "files", "hf")),
         "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
         "optimizer.name": (r.optimizer.name, ("adamw",)),

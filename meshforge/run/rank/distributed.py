@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 # defined in the light rank_server module: the CLI asks it before importing torch
-from meshforge.run.launch.rank_server import under_torchrun
+from meshforge.run.rank.env import under_torchrun
 
 # Collective timeout: long enough for a slow first compile, short enough that a dead
 # rank ends the job instead of hanging it.
