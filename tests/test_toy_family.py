@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from meshforge.convert import export_checkpoint, import_weights
 from meshforge.models import MODELS, count_params, family_of_hf, register
 from meshforge.recipe import load_recipe
-from meshforge.run.launch.plan import make_plan
+from meshforge.run.rank.plan import make_plan
 from meshforge.run.train.trainer import Trainer
 
 ONE_RANK = ["mesh.dp_replicate=1", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1"]
