@@ -238,9 +238,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from meshforge.experiments import compare
 
     runs = compare.find_runs([Path(p) for p in args.paths])
+    metrics = compare.logged_metrics(runs, args.metrics.split(","))  # before anything is written
     out = wide(console)
     out.print(compare.comparison_table(runs))
-    paths = compare.write_plots(runs, Path(args.out or "compare"), args.metrics.split(","), args.align)
+    folder = Path(args.out) if args.out else compare.beside(runs)
+    paths = compare.write_plots(runs, folder, metrics, args.align)
     console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)
     if args.baseline is None:
         return 0
