@@ -4,10 +4,13 @@ where the user was told."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from conftest import RECIPES, run_cli
+from conftest import RECIPES, cli_env, read_metrics, run_cli
+
+from meshforge.run.observe.wandb_files import config, history, run_files
 
 ONE_PROCESS = ["mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "logging.progress=false"]
 
@@ -87,3 +90,57 @@ def test_an_override_typed_as_a_flag_is_explained(tmp_path):
     assert proc.returncode == 2 and "without dashes: train.steps=VALUE" in proc.stderr
     proc = run_cli(["debug_cpu", "--bogus"], cwd=tmp_path)  # a flag that is no override: argparse's own words
     assert proc.returncode == 2 and "without dashes" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_torch_run_continued_in_jax_then_in_torch_sets_the_jax_steps_aside_and_says_so(tmp_path):
+    """The README's cross-framework pair and the torch run after it: the JAX run saves nothing
+    (warned at its start), so the torch run resumes from step 10 again; the JAX run's steps 11-20
+    are set aside (one line: which, why, where), never silently overwritten, and W&B says so."""
+    pytest.importorskip("jax", reason="the jax extra (installed by .[all], as CI does)")
+    env = cli_env(WANDB_MODE="offline")
+    quick = ["debug_cpu", "mesh.pp=1", "mesh.tp=1", "logging.wandb=true", "logging.tensorboard=false"]
+    torch_run = run_cli(
+        [*quick, "mesh.dp_shard=1", "checkpoint.enabled=true", "checkpoint.interval=5", "train.steps=10"],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
+    jax_run = run_cli(
+        [*quick, "mesh.dp_shard=1", "backend=jax", "checkpoint.load=auto", "train.steps=20"],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert jax_run.returncode == 0, jax_run.stderr[-3000:]
+    assert "this run saves no checkpoint, so the next resume starts there again" in jax_run.stderr
+    lines = jax_run.stdout.splitlines()
+    assert " in JAX on 1 x cpu [" in lines[0]
+    assert lines[1].startswith(
+        "resumed from step 10 (checkpoint outputs/debug_cpu/checkpoints/step-00000010;"
+    )
+    assert "recipe changes: train.steps 10 -> 20," in lines[1] and "backend 'torch' -> 'jax'" in lines[1]
+    # continued in torch on 2 launched ranks: the launcher draws the terminal from the records
+    again = run_cli(
+        [*quick, "mesh.dp_shard=2", "checkpoint.enabled=true", "checkpoint.load=auto", "train.steps=14"],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "debug_cpu"
+    (aside,) = tmp_path.glob("outputs/debug_cpu.*")
+    said = [line for line in again.stderr.splitlines() if "set aside" in line]
+    assert said == [
+        "WARNING meshforge: steps 11-20 (10 logged) came after checkpoint step 10, which this run resumes "
+        f"from and trains again: their records were set aside to outputs/{aside.name}"
+    ]
+    assert [row["step"] for row in read_metrics(aside)] == list(range(1, 21))
+    assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, 15))
+    assert json.loads((run_dir / "run.json").read_text())["set_aside"]["steps"] == list(range(11, 21))
+    steps = [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")]
+    assert steps[0] == "11/14", again.stdout  # no replay of the earlier run's step 1
+    assert " in PyTorch on 2 x cpu [" in again.stdout and "resumed from step 10 (checkpoint" in again.stdout
+    # W&B: the JAX run's folder went with its records; the run's history holds each step once
+    files = run_files(run_dir)
+    assert [row["step"] for row in history(files) if "loss" in row] == list(range(1, 15))
+    assert config(files[-1])["set_aside"] == said[0].removeprefix("WARNING meshforge: ")
+    assert len(list((aside / "wandb").glob("offline-run-*"))) == 1
