@@ -273,7 +273,7 @@ def save_hf_shards(pairs, config: dict, out, max_shard_bytes: int = DEFAULT_MAX_
     import json
     from pathlib import Path
 
-    from safetensors.torch import save_file
+    from meshforge.core.files import save_safetensors
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +283,7 @@ def save_hf_shards(pairs, config: dict, out, max_shard_bytes: int = DEFAULT_MAX_
         nonlocal current, size
         if current:
             tmp = out / f".shard-{len(shards):05d}.safetensors"
-            save_file(current, str(tmp), metadata={"format": "pt"})
+            save_safetensors(current, tmp, metadata={"format": "pt"})
             shards.append((tmp, list(current)))
             current, size = {}, 0
 

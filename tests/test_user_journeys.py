@@ -5,6 +5,8 @@ where the user was told."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,29 @@ def test_a_torch_run_continued_in_jax_then_in_torch_sets_the_jax_steps_aside_and
     assert [row["step"] for row in history(files) if "loss" in row] == list(range(1, 15))
     assert config(files[-1])["set_aside"] == said[0].removeprefix("WARNING meshforge: ")
     assert len(list((aside / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_exported_weights_are_as_readable_as_the_user_s_umask_says(tmp_path):
+    """Every file an export writes has the mode a plain open() gives under the umask (safetensors
+    writes its files 0600: a colleague could not read the weights beside a readable config.json)."""
+    seed = run_cli(["init", "debug_cpu", "--out", str(tmp_path / "seed")], cwd=tmp_path, program="meshforge")
+    assert seed.returncode == 0, seed.stderr
+    exe = Path(sys.executable).parent / "meshforge"
+    for to, umask, extra in (
+        ("hf", 0o022, []),
+        ("hf", 0o027, ["--max-shard-size", "300KB"]),
+        ("safetensors", 0o002, []),
+    ):
+        out = tmp_path / f"{to}-{umask:o}"
+        proc = subprocess.run(
+            [str(exe), "export", str(tmp_path / "seed"), "--to", to, str(out), *extra],
+            cwd=tmp_path,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            umask=umask,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert len(modes) >= 2 and set(modes.values()) == {0o666 & ~umask}, (to, umask, modes)

@@ -5,7 +5,6 @@ without duplicate steps on resume. `metrics.jsonl` itself is written by the logg
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,15 +13,14 @@ from pathlib import Path
 import torch
 
 import meshforge
+from meshforge.core.files import write_atomic
 from meshforge.run.observe.memory import PEAK
 from meshforge.run.observe.set_aside import set_aside_past
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write via a temporary file + rename, so a killed run never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, default=str))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshforge.core.files import write_atomic
+
 log = logging.getLogger("meshforge.run")
 
 # what a resume copies aside whole (the checkpoints stay: the run goes on from one of them)
@@ -90,9 +92,7 @@ def set_aside_past(run_dir: Path, step: int) -> SetAside | None:
             folder.rename(target / "wandb" / folder.name)
         aside = SetAside(step, later, target)
     if metrics.is_file():
-        tmp = metrics.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for s, line in rows if s <= step))
-        tmp.replace(metrics)
+        write_atomic(metrics, "".join(line + "\n" for s, line in rows if s <= step))
     return aside
 
 
