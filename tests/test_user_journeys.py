@@ -172,3 +172,27 @@ def test_exported_weights_are_as_readable_as_the_user_s_umask_says(tmp_path):
         assert proc.returncode == 0, proc.stderr
         modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
         assert len(modes) >= 2 and set(modes.values()) == {0o666 & ~umask}, (to, umask, modes)
+
+
+def test_a_maxtext_export_names_its_load_path_and_a_refused_one_writes_nothing(tmp_path):
+    pytest.importorskip("orbax.checkpoint", reason="the jax extra (installed by .[all], as CI does)")
+
+    def meshforge(*args: str):
+        return run_cli(list(args), cwd=tmp_path, program="meshforge")
+
+    assert meshforge("init", "debug_cpu", "--out", "seed").returncode == 0
+    done = meshforge("export", "seed", "--to", "maxtext", "mt")
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "mt" / "maxtext_config.json").read_text())
+    assert config["load_parameters_path"] == str(tmp_path / "mt" / "0" / "items")
+    assert (tmp_path / "mt" / "0" / "items" / "manifest.ocdbt").is_file()
+    # a RoPE scaling MaxText's rotary does not apply: refused before anything is left on disk
+    assert meshforge("init", "debug_cpu", "model.rope_scaling_factor=4.0", "--out", "scaled").returncode == 0
+    refused = meshforge("export", "scaled", "--to", "maxtext", "new/deeper")
+    assert refused.returncode == 2 and "RoPE scaling" in refused.stderr
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    refused = meshforge("export", "scaled", "--to", "maxtext", "mine")
+    assert refused.returncode == 2
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # the user's folder, as it was

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,3 +58,22 @@ def save_safetensors(tensors: dict, path: Path | str, metadata: dict[str, str] |
 
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+
+
+@contextlib.contextmanager
+def output_folder(out: Path) -> Iterator[Path]:
+    """`out`, made if missing, for a command to write into: when the command fails (a refused
+    export), what it made is removed, the folders it created included, never what was there."""
+    out = Path(out)
+    made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost new one
+    before = set(out.iterdir()) if made is None else set()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        else:
+            for p in set(out.iterdir()) - before:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+        raise
