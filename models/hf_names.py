@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from meshforge.core.files import save_safetensors
+
 HF_TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -272,8 +274,6 @@ def save_hf_shards(pairs, config: dict, out, max_shard_bytes: int = DEFAULT_MAX_
     Returns the files written."""
     import json
     from pathlib import Path
-
-    from meshforge.core.files import save_safetensors
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

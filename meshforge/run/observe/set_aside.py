@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshforge.core.files import write_atomic
+from meshforge.run.observe.wandb_files import history
 
 log = logging.getLogger("meshforge.run")
 
@@ -52,10 +53,12 @@ class SetAside:
     def line(self) -> str:
         first, last = self.steps[0], self.steps[-1]
         span = f"step {first}" if first == last else f"steps {first}-{last}"
-        return (
-            f"{span} ({len(self.steps)} logged) came after checkpoint step {self.step}, which this run "
-            f"resumes from and trains again: their records were set aside to {self.to}"
+        why = (
+            f"came after checkpoint step {self.step}, which this run resumes from and trains again"
+            if self.step
+            else "were logged by an earlier run that saved no checkpoint: this run starts from step 0 again"
         )
+        return f"{span} ({len(self.steps)} logged) {why}: their records were set aside to {self.to}"
 
 
 def _rows(path: Path) -> list[tuple[int, str]]:
@@ -99,13 +102,8 @@ def set_aside_past(run_dir: Path, step: int) -> SetAside | None:
 def _wandb_folders_past(run_dir: Path, step: int) -> list[Path]:
     """The run's offline W&B folders whose every logged step is past `step` (a folder that holds
     earlier steps too stays: W&B keeps its later ones, as it keeps a killed run's)."""
-    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
-    if not folders:
-        return []
-    from meshforge.run.observe.wandb_files import history  # imports wandb: only when there are folders
-
     out = []
-    for folder in folders:
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
         steps = [row["step"] for row in history(list(folder.glob("run-*.wandb"))) if "step" in row]
         if steps and min(steps) > step:
             out.append(folder)
