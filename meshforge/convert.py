@@ -10,12 +10,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshforge.configs import Recipe, recipe_to_dict
 from meshforge.core.errors import IncompatibleWeights
+from meshforge.core.files import save_safetensors
 from meshforge.interop.weights import ArrayReader, WeightReader, hf_reader_for, load_into
 from meshforge.models import args_from_config, get_model_spec, spec_of
 from meshforge.models.common.hf_names import save_hf_shards
@@ -109,8 +109,8 @@ def export_checkpoint(
     else:
         if to == "torchtitan":
             tensors = adapter.to_torchtitan(tensors)
-        save_file(
-            tensors, str(out / "model.safetensors"), metadata={"format": "pt", "step": str(meta["step"])}
+        save_safetensors(
+            tensors, out / "model.safetensors", metadata={"format": "pt", "step": str(meta["step"])}
         )
     (out / "config.json").write_text(
         json.dumps({"model": meta["recipe"]["model"], "args": vars(args)}, indent=1)

@@ -290,12 +290,16 @@ def test_a_requeued_run_killed_twice_ends_with_every_step_once_in_every_record(t
     }
     assert [p.name for p in committed(run_dir / "checkpoints")][-1] == "step-00000010"
 
+    # each resume set aside the step logged after its checkpoint (4, then 7), records and all
+    aside = sorted(tmp_path.glob("requeued.*"))
+    assert sorted(read_metrics(folder)[-1]["step"] for folder in aside) == [4, 7]
+
     # a plain rerun (no checkpoint.load) of this folder is refused, naming the fix, and keeps it all
     plain = [a for a in args if a != "checkpoint.load=auto"]
     proc = run_cli(plain, cwd=tmp_path)
     assert proc.returncode == 2 and "checkpoint.load=auto" in proc.stderr, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 11))
-    assert not list(tmp_path.glob("requeued.*"))  # nothing set aside
+    assert sorted(tmp_path.glob("requeued.*")) == aside  # nothing more set aside
 
 
 @pytest.mark.slow

@@ -187,12 +187,14 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from meshforge.convert import export_checkpoint
+    from meshforge.core.files import output_folder
     from meshforge.core.units import parse_bytes
     from meshforge.run.checkpoint.dcp import resolve_load
 
     path = resolve_load(args.checkpoint, Path(args.checkpoint))
     shard = parse_bytes(args.max_shard_size) if args.max_shard_size else None
-    out = export_checkpoint(path, Path(args.out), args.to, int(shard) if shard else None)
+    with output_folder(Path(args.out)) as folder:  # a refused export leaves nothing behind
+        out = export_checkpoint(path, folder, args.to, int(shard) if shard else None)
     console.print(f"exported {path} -> {out}", highlight=False)
     return 0
 
@@ -238,9 +240,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from meshforge.experiments import compare
 
     runs = compare.find_runs([Path(p) for p in args.paths])
+    metrics = compare.logged_metrics(runs, args.metrics.split(","))  # before anything is written
     out = wide(console)
     out.print(compare.comparison_table(runs))
-    paths = compare.write_plots(runs, Path(args.out or "compare"), args.metrics.split(","), args.align)
+    folder = Path(args.out) if args.out else compare.beside(runs)
+    paths = compare.write_plots(runs, folder, metrics, args.align)
     console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)
     if args.baseline is None:
         return 0

@@ -8,6 +8,18 @@ import argparse
 from meshforge.configs.explain import fields_help
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a hint where a recipe override was typed as a flag (`--train.steps=5`)."""
+
+    def error(self, message: str):
+        flags = [a for a in message.partition("unrecognized arguments: ")[2].split() if a.startswith("--")]
+        dotted = [a.lstrip("-") for a in flags if "." in a.partition("=")[0]]
+        if dotted:
+            example = dotted[0] if "=" in dotted[0] else f"{dotted[0]}=VALUE"
+            message += f" (overrides are key=value without dashes: {example})"
+        super().error(message)
+
+
 def parse_axes(items: list[str]) -> dict[str, list[str]]:
     """--axis KEY=V1,V2 (repeatable) -> {KEY: [V1, V2]}."""
     from meshforge.configs import Problem, RecipeError
@@ -46,7 +58,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Validate a recipe, launch its processes, train, and log to JSONL, TensorBoard and W&B.",
         epilog=fields_help(),
@@ -88,7 +100,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     out: dict[str, argparse.ArgumentParser] = {"run": run_parser("meshforge run")}
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        out[name] = argparse.ArgumentParser(prog=f"meshforge {name}", description=help_text)
+        out[name] = Parser(prog=f"meshforge {name}", description=help_text)
         return out[name]
 
     add("explain", "document recipe sections and fields").add_argument(
@@ -166,7 +178,11 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     )
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
     cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
-    cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")
+    cmp.add_argument(
+        "--out",
+        default=None,
+        help="folder for the PNG plots (default: compare/ beside the runs: the folder that holds them)",
+    )
     cmp.add_argument("--metrics", default="loss", help="comma-separated metrics to plot, e.g. loss,grad_norm")
     cmp.add_argument("--align", choices=["step", "tokens"], default="step", help="x axis of the metric plots")
     cmp.add_argument("--baseline", default=None, help="parity mode: compare every run's losses with this run")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -61,11 +60,14 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
     if missing:
         raise MachineError([*missing, "`run_recipe RECIPE --dry-run` shows the plan without running it."])
     from meshforge.run.checkpoint.dcp import refuse_unresumed
+    from meshforge.run.observe.set_aside import set_aside_earlier_run
 
     refuse_unresumed(recipe.checkpoint, Path(recipe.output_dir) / recipe.run_name)  # never set aside
     resuming = recipe.checkpoint.load is not None  # a resumed run continues its own records
+    if resuming and (not under_torchrun() or os.environ.get("RANK") == "0"):
+        _warn_unsaved_continuation(recipe)
     if not resuming and (not under_torchrun() or os.environ.get("RANK") == "0"):
-        _set_aside_previous_run(recipe)
+        set_aside_earlier_run(Path(recipe.output_dir) / recipe.run_name)
     if recipe.backend == "jax":
         _train_jax(recipe, world, pick_device_type(recipe.train.device) == "cpu")
     elif launching:
@@ -94,15 +96,19 @@ def _train_jax(recipe: Recipe, world: int, on_cpu: bool) -> None:
         train_jax(recipe)
 
 
-def _set_aside_previous_run(recipe: Recipe) -> None:
-    """A new run never appends to, or overwrites, the records of an earlier run of the same name."""
-    run_dir = Path(recipe.output_dir) / recipe.run_name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
-        target = run_dir.with_name(f"{run_dir.name}.{stamp}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}")
-        run_dir.rename(target)
-        log.info(f"an earlier run's records were moved to {target}")
+def _warn_unsaved_continuation(recipe: Recipe) -> None:
+    """A run that continues an earlier one (`checkpoint.load`) but saves no checkpoint: the next
+    resume starts again from the earlier checkpoint and sets this run's steps aside."""
+    from meshforge.run.checkpoint.dcp import checkpoint_folder, resolve_load
+
+    c, run_dir = recipe.checkpoint, Path(recipe.output_dir) / recipe.run_name
+    if c.enabled:
+        return
+    start = resolve_load(c.load, checkpoint_folder(c, run_dir))  # checked already: it resolves
+    if start is None and not (run_dir / "metrics.jsonl").is_file():
+        return  # `auto` with nothing earlier to continue
+    log.warning(
+        f"checkpoint.load={c.load} continues {run_dir} from {start.name if start else 'step 0'}, but "
+        "checkpoint.enabled=false: this run saves no checkpoint, so the next resume starts there again "
+        "and sets this run's steps aside; set checkpoint.enabled=true to keep them"
+    )

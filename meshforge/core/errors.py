@@ -59,6 +59,11 @@ class UsageError(MeshforgeError):
     exit_code = EXIT_USAGE
 
 
+class NothingProduced(UsageError):
+    """A command that produced none of what it was asked for (every layout refused, a metric no
+    run logged); the message says why, on one line."""
+
+
 class MachineError(MeshforgeError):
     """This machine lacks what the recipe needs (devices, memory); nothing was started."""
 

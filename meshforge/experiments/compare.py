@@ -4,6 +4,7 @@ and a loss-parity check (does a new layout train the same model as a baseline?).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from matplotlib.figure import Figure  # the object API: files only, no pyplot ba
 from rich.table import Table
 
 from meshforge.configs import ACPolicy
-from meshforge.core.errors import UsageError
+from meshforge.core.errors import NothingProduced, UsageError
 from meshforge.core.tables import add_name_column
 from meshforge.core.topology import ParallelDims
 from meshforge.run.observe.memory import PEAK
@@ -252,6 +253,20 @@ def parity_table(results: list[dict], baseline: str, tol: float) -> Table:
             "same" if p["ok"] else "[bold red]DIFFERENT[/]",
         )
     return table
+
+
+def logged_metrics(runs: list[Run], metrics: list[str]) -> list[str]:
+    """`metrics`, each logged by at least one run; a NothingProduced naming the ones no run logged."""
+    logged = {k for r in runs for row in r.rows for k in row}
+    if unknown := [m for m in metrics if m not in logged]:
+        known = ", ".join(sorted(k for k in logged if k not in ("step", "time"))) or "none: no logged steps"
+        raise NothingProduced(f"--metrics: no run logged {', '.join(unknown)}; the runs logged: {known}")
+    return metrics
+
+
+def beside(runs: list[Run]) -> Path:
+    """compare/ beside the runs: in the folder holding them all (`<output_dir>`, a sweep's folder)."""
+    return Path(os.path.commonpath([r.path.resolve().parent for r in runs])) / "compare"
 
 
 def write_plots(runs: list[Run], out: Path, metrics: list[str], align: str) -> list[Path]:

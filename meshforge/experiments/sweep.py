@@ -24,6 +24,7 @@ from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError, RecipeSource
 from meshforge.configs.schema import SweepConfig
+from meshforge.core.errors import NothingProduced
 from meshforge.core.logs import log_level_name
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import LAYOUT_DIMS, ParallelDims
@@ -101,6 +102,8 @@ def run_sweep(
                 if traces is not None:
                     _judge_fit(row, recipe, heaviest(traces), sw.device_memory_gib)
             _print_plan([p[2] for p in planned], sw.device_memory_gib, console)
+            if all(p[2]["status"] == "refused" for p in planned):
+                raise NothingProduced(f"nothing planned: all {n} points were refused (each listed above)")
             console.print(
                 f"planned {n} points in {time.monotonic() - started:.0f} s; nothing launched", highlight=False
             )
@@ -193,10 +196,12 @@ def _print_plan(rows: list[dict], device_memory_gib: float | None, console: Cons
     table_rows.sort(key=lambda r: r.get("total", float("inf")))
     memory = device_memory_gib * GiB if device_memory_gib is not None else None
     out = wide(console)
-    out.print(estimate_table(table_rows, memory))
+    estimated = any("refused" not in r for r in table_rows)
+    if estimated:  # else no table: the refusals, and the sweep's error
+        out.print(estimate_table(table_rows, memory))
     for line in estimate_refusals(table_rows):
         out.print(line, highlight=False, soft_wrap=True)
-    if memory is None:
+    if memory is None and estimated:
         out.print("fit not judged: set sweep.device_memory_gib (the GPU's memory in GiB)", highlight=False)
 
 

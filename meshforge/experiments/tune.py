@@ -24,6 +24,7 @@ from rich.table import Table
 
 from meshforge.configs import RecipeError, RecipeSource
 from meshforge.configs.loader import recipe_to_toml
+from meshforge.core.errors import NothingProduced
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
@@ -97,7 +98,8 @@ def tune(
         ]
         rows = [_predict(row, recipe, traces, profile, limit) for _, _, row, recipe, traces in planned]
     ranked = rank_predicted(rows)
-    wide(console).print(predicted_table(ranked, profile, limit))
+    if ranked:  # else no table: the refusals, and tune's error
+        wide(console).print(predicted_table(ranked, profile, limit))
     for line in [batch_caveat(ranked), *untraced_caveats(base, points, profile.checkpoint_overhead_s > 0)]:
         if line:
             console.print(line, highlight=False)
@@ -110,6 +112,10 @@ def tune(
         + (f" ({', '.join(f'{n} {status}' for status, n in others.items())})" if others else ""),
         highlight=False,
     )
+    if not ranked:
+        raise NothingProduced(
+            f"nothing predicted: none of the {len(rows)} points is valid and fits (each listed above)"
+        )
     if plan_only:
         return tune_dir
     tune_dir.mkdir(parents=True, exist_ok=True)

@@ -185,6 +185,8 @@ def save_maxtext(tree: dict[str, np.ndarray], out: Path, config: dict) -> Path:
         item = ocp.args.PyTreeSave({"params": {"params": nest(tree, "/")}})
         manager.save(0, args=ocp.args.Composite(items=item), custom_metadata={"scan_layers": True})
         manager.wait_until_finished()
+    items = out.absolute() / "0" / "items"
+    config = {**config, "load_parameters_path": str(items)}  # MaxText's key for a parameter checkpoint
     (out / "maxtext_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return out / "0" / "items"
 

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Recipe, RecipeError, RecipeLike, RecipeSource, ac_policy, load_config
+from meshforge.core.errors import NothingProduced
 from meshforge.core.tables import add_name_column, wide
 from meshforge.core.topology import ParallelDims
 from meshforge.core.units import GiB
@@ -325,10 +326,22 @@ def print_estimate(
     """`meshforge estimate`: the table (wide when not on a terminal) and the refused layouts."""
     source = RecipeSource.read(recipe_path)  # read once: every mesh is it and its overrides
     rows = estimate_rows(source, overrides, world, all_meshes, traced=not analytic)
+    if not any("analytic" in r for r in rows):
+        raise NothingProduced(nothing_estimated(rows, world, console))
     out = wide(console)
     out.print(estimate_table(rows, device_memory))
     for line in estimate_refusals(rows) + estimate_caveats(load_config(source, overrides)[0]):
         out.print(line, highlight=False, soft_wrap=True)
+
+
+def nothing_estimated(rows: list[dict], world: int, console: Console) -> str:
+    """The one line of an estimate with no layout left: the refusal itself, or (several layouts)
+    a count, their refusals printed above it."""
+    if len(rows) == 1:
+        return f"nothing estimated: {rows[0]['layout']} refused: {rows[0]['refused']}"
+    for line in estimate_refusals(rows):
+        wide(console).print(line, highlight=False, soft_wrap=True)
+    return f"nothing estimated: all {len(rows)} layouts of {world} ranks were refused (each listed above)"
 
 
 def estimate_caveats(recipe: Recipe) -> list[str]:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from meshforge.core.files import save_safetensors
+
 HF_TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -284,8 +286,6 @@ def save_hf_shards(pairs, config: dict, out, max_shard_bytes: int = DEFAULT_MAX_
     import json
     from pathlib import Path
 
-    from safetensors.torch import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards, current, size, total = [], {}, 0, 0
@@ -294,7 +294,7 @@ def save_hf_shards(pairs, config: dict, out, max_shard_bytes: int = DEFAULT_MAX_
         nonlocal current, size
         if current:
             tmp = out / f".shard-{len(shards):05d}.safetensors"
-            save_file(current, str(tmp), metadata={"format": "pt"})
+            save_safetensors(current, tmp, metadata={"format": "pt"})
             shards.append((tmp, list(current)))
             current, size = {}, 0
 

@@ -41,6 +41,12 @@ class Banner:
     pipeline: str | None = None  # schedule and stage layout, when pipelined
     loss_floor: float | None = None
     precision: str | None = None  # float8: what runs in it
+    backend: str = "torch"  # the recipe's backend: torch | jax
+    resumed: str | None = None  # "resumed from step N (checkpoint ...; recipe changes: ...)"
+    start_step: int = 0  # the step a resumed run starts after: the records up to it are not this run's
+
+
+BACKEND_NAMES = {"torch": "PyTorch", "jax": "JAX"}
 
 
 def counted_steps(throughput_steps: dict | None) -> str:
@@ -67,14 +73,18 @@ class RunConsole:
         self._last_print = 0.0
         self._first: tuple[float, int] | None = None  # (time, step) of the first update shown
         self._total = 0
+        self._start = 0  # a resumed run's checkpoint step: its records up to there are an earlier run's
 
     def start(self, b: Banner, run_dir: Path, wandb: str | None = None) -> None:
         if not self.enabled:
             return
         what = (
-            f"{b.run_name}: {b.model} ({b.n_params:,} params) on {b.world_size} x {b.device_type} [{b.mesh}]"
+            f"{b.run_name}: {b.model} ({b.n_params:,} params) in {BACKEND_NAMES[b.backend]} "
+            f"on {b.world_size} x {b.device_type} [{b.mesh}]"
         )
         self.console.print("[bold]meshforge[/] " + escape(what))  # escaped: [dp_shard=2, ...] is no markup
+        if b.resumed:
+            self.console.print(b.resumed, highlight=False, markup=False)
         if b.pipeline:
             self.console.print(escape(b.pipeline))
         if b.precision:
@@ -84,7 +94,7 @@ class RunConsole:
         self.console.print(f"records: {run_dir}", highlight=False, markup=False)
         if wandb:
             self.console.print(f"W&B: {wandb}", highlight=False, markup=False)
-        self._total = b.total_steps
+        self._total, self._start = b.total_steps, b.start_step
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold blue]train"),
@@ -97,16 +107,18 @@ class RunConsole:
                 TimeRemainingColumn(),
                 console=self.console,
             )
-            self._task = self._progress.add_task("train", total=b.total_steps, loss="-", tps="-")
+            self._task = self._progress.add_task(
+                "train", total=b.total_steps, completed=b.start_step, loss="-", tps="-"
+            )
             self._progress.start()
 
     def update(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or step <= self._start:  # never an earlier run's step, replayed
             return
         loss, tps = f"{metrics['loss']:.4f}", f"{metrics['tokens_per_sec']:,.0f}"
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=loss, tps=tps)
-        elif time.monotonic() - self._last_print > 2.0 or step == self._total or step == 1:
+        elif time.monotonic() - self._last_print > 2.0 or step == self._total or step == self._start + 1:
             # not a terminal (CI, a pipe): a plain line every couple of seconds, with an ETA
             now = time.monotonic()
             self._first = self._first or (now, step)

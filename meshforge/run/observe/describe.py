@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshforge.configs import Recipe, recipe_to_dict, recipe_to_toml
 from meshforge.core.topology import ParallelDims
+from meshforge.run.checkpoint.dcp import checkpoint_folder, read_meta
 from meshforge.run.observe.console import Banner, RunConsole
 from meshforge.run.observe.figures import save_breakdown, save_pipeline
 from meshforge.run.observe.loggers import LoggerContainer, build_loggers
@@ -70,8 +71,10 @@ def banner(
     device_type: str,
     layout: list[list[int]] | None = None,
     loss_floor: float | None = None,
+    resumed: dict | None = None,
 ) -> Banner:
-    """The run's first lines: model, size, mesh, pipeline stages, the data's loss floor."""
+    """The run's first lines: model, size, backend, mesh, where a resumed run starts, pipeline
+    stages, the data's loss floor. `resumed`: the trainer's {path, step, run_id}."""
     pipeline = None
     if layout is not None:
         stages = "; ".join(f"stage {s}: layers {ids}" for s, ids in enumerate(layout))
@@ -88,7 +91,40 @@ def banner(
         pipeline,
         loss_floor,
         precision_line(r, device_type),
+        r.backend,
+        resumed_line(r, resumed),
+        resumed["step"] if resumed else 0,
     )
+
+
+def resumed_line(recipe: Recipe, resumed: dict | None) -> str | None:
+    """'resumed from step N (checkpoint PATH; recipe changes: KEY OLD -> NEW, ...)', or what
+    `checkpoint.load=auto` did when it found no checkpoint; None for a run that resumes nothing."""
+    if not resumed:
+        return None
+    if resumed["path"] is None:
+        folder = checkpoint_folder(recipe.checkpoint, Path(recipe.output_dir) / recipe.run_name)
+        return f"no checkpoint in {folder} yet: starting from step 0 (checkpoint.load=auto)"
+    saved = read_meta(Path(resumed["path"]))["recipe"]
+    changes = [
+        f"{key} {old!r} -> {new!r}"
+        for key, (old, new) in recipe_changes(saved, recipe_to_dict(recipe)).items()
+        if key != "checkpoint.load"  # how this run found the checkpoint, not a change to what it trains
+    ]
+    said = ", ".join(changes) or "none"
+    return f"resumed from step {resumed['step']} (checkpoint {resumed['path']}; recipe changes: {said})"
+
+
+def recipe_changes(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
+    """Dotted key -> (saved, now) for every value that differs between two nested recipes."""
+    out: dict[str, tuple] = {}
+    for key in dict.fromkeys([*saved, *now]):
+        old, new = saved.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out.update(recipe_changes(old, new, f"{prefix}{key}."))
+        elif old != new:
+            out[f"{prefix}{key}"] = (old, new)
+    return out
 
 
 def precision_line(r: Recipe, device_type: str) -> str | None:
@@ -117,6 +153,9 @@ def open_run(
     logger writes, so a launcher can show the run from its records."""
     run_dir = Path(recipe.output_dir) / recipe.run_name
     record = RunRecord(run_dir, recipe.run_name, {**info, "banner": dataclasses.asdict(about)}, resumed)
+    set_aside = record.set_aside.line() if record.set_aside else None
+    if set_aside:
+        console.note(set_aside)
     toml = recipe_to_toml(recipe)
     (run_dir / "recipe.toml").write_text(toml)
     resumed_step = resumed["step"] if resumed else None
@@ -129,6 +168,7 @@ def open_run(
         config,
         console.console,
         resumed_step,
+        set_aside,
     )
     loggers.describe(run_dir / "recipe.toml", toml, hparams(recipe, dims), record.run_id)
     record.info["loggers"] = loggers.paths()

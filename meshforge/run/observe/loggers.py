@@ -249,6 +249,12 @@ class WandbLogger(BaseLogger):
         for row in recorded:
             self.log(row, row["step"])
 
+    def note_set_aside(self, line: str) -> None:
+        """Which logged steps a resume set aside, and where: in the config (with the run from its
+        start) and the summary, so the W&B run says what its history no longer holds."""
+        self.run.config.update({"set_aside": line}, allow_val_change=True)
+        self.run.summary["set_aside"] = line
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if step > self.skip_through:
             self.run.log({k: v for k, v in metrics.items() if k != WALL_CLOCK})
@@ -339,9 +345,11 @@ def build_loggers(
     config: dict,
     console,
     resumed_step: int | None = None,
+    set_aside: str | None = None,
 ) -> LoggerContainer:
     """Every logger `[logging]` switches on; JSONL is always on. `resumed_step`: the checkpoint
-    step a resumed run restarts after (TensorBoard purges later events; W&B is completed)."""
+    step a resumed run restarts after (TensorBoard purges later events; W&B is completed);
+    `set_aside`: the line saying which steps logged past it were set aside (W&B notes it)."""
     jsonl = JSONLLogger(run_dir)
     loggers: list[BaseLogger] = [jsonl]
     if cfg.tensorboard:
@@ -353,5 +361,7 @@ def build_loggers(
         else:
             if resumed_step is not None:
                 wandb.catch_up(jsonl.rows())
+            if set_aside:
+                wandb.note_set_aside(set_aside)
             loggers.append(wandb)
     return LoggerContainer(loggers)

@@ -5,7 +5,6 @@ without duplicate steps on resume. `metrics.jsonl` itself is written by the logg
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,28 +13,14 @@ from pathlib import Path
 import torch
 
 import meshforge
+from meshforge.core.files import write_atomic
 from meshforge.run.observe.memory import PEAK
+from meshforge.run.observe.set_aside import set_aside_past
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write via a temporary file + rename, so a killed run never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep only records up to `last_step`, so a resumed run logs every step exactly once."""
-    if not path.is_file():
-        return
-    text = path.read_text()
-    lines = text.splitlines()
-    if lines and not text.endswith("\n"):
-        lines.pop()  # a line a hard-killed run was writing
-    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=2, default=str))
 
 
 @dataclass(frozen=True)
@@ -180,8 +165,8 @@ class RunRecord:
         self.path = run_dir / "run.json"
         resumed = resumed or {}
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resumed:  # the steps after the checkpoint are logged again: the record is cut back to it
-            truncate_metrics(run_dir / "metrics.jsonl", resumed["step"])
+        # the steps after the checkpoint are logged again: their records are set aside, the record cut back
+        self.set_aside = set_aside_past(run_dir, resumed["step"]) if resumed else None
         versions = {
             "meshforge": meshforge.__version__,
             "torch": torch.__version__,
@@ -199,6 +184,8 @@ class RunRecord:
             "versions": versions,
             "records": {"metrics": str(run_dir / "metrics.jsonl")},
         }
+        if self.set_aside:
+            self.info["set_aside"] = {"steps": self.set_aside.steps, "to": str(self.set_aside.to)}
         self.write()
 
     @property

@@ -140,9 +140,8 @@ class TrainingRun:
         launched = os.environ.get(LAUNCHED_ENV) == "launcher"
         self.console = RunConsole(enabled=env.is_main and r.logging.progress and not launched)
         if env.is_main:
-            about = banner(
-                r, self.dims, self.n_params, env.device.type, self.layout(), self.loader.loss_floor()
-            )
+            layout, floor = self.layout(), self.loader.loss_floor()
+            about = banner(r, self.dims, self.n_params, env.device.type, layout, floor, self.resumed)
             self.record, self.loggers = open_run(
                 r, self.dims, self.run_info(), self.console, about, self.resumed
             )
