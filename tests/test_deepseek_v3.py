@@ -215,3 +215,46 @@ def test_the_mesh_rules_refuse_what_is_not_wired_for_mla_and_bad_groups():
     assert "into equal groups" in problems["model.n_group"]
     assert "between 1 and n_group=3" in problems["model.topk_group"]
     assert "model.load_balance=aux_free" in problems["model.load_balance"]
+
+
+# --- parity on a mesh: one process vs FSDP 2 and EP 2 (slow: multi-process launches) ------------
+
+PARITY_STEPS = 10
+DSV3 = ["model.name=deepseek_v3", "model.bias_update_rate=0.01"]  # a bias that moves: its sync shows
+PARITY = {"fsdp2": ["mesh.dp_shard=2"], "ep2": ["mesh.dp_shard=2", "mesh.ep=2"]}
+
+
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory):
+    """The debug flavor trained 10 steps on one process and on each mesh of PARITY, as a user
+    launches it (conftest.run_recipe: tests/test_moe_parallel.py's machinery); records by name."""
+    from conftest import QUICK, RECIPES, read_metrics, run_recipe
+
+    out = tmp_path_factory.mktemp("dsv3")
+    runs = {}
+    for name, mesh in {"one": ["mesh.dp_shard=1"], **PARITY}.items():
+        args = [str(RECIPES / "debug_cpu.toml"), "mesh.dp_replicate=1", "mesh.tp=1", "mesh.pp=1", *QUICK]
+        args += [*DSV3, *mesh, f"train.steps={PARITY_STEPS}", "logging.memory_breakdown_step=0"]
+        proc = run_recipe([*args, f"output_dir={out}", f"run_name={name}"], cwd=out)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        runs[name] = read_metrics(out / name)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_fsdp_and_ep_reproduce_one_process(parity_runs, name):
+    """Loss, grad norm, aux loss (fp32: 1e-5) and every sparse layer's expert loads, step by step;
+    no routed token dropped; it learns."""
+    base, rows = parity_runs["one"], parity_runs[name]
+    assert [r["step"] for r in rows] == list(range(1, PARITY_STEPS + 1))
+    for key in ("loss", "grad_norm", "moe/aux_loss"):
+        diff = max(abs(a[key] - b[key]) for a, b in zip(rows, base))
+        assert diff <= 1e-5, f"{name}: max |d {key}| {diff:.2e}"
+    for a, b in zip(rows, base):
+        loads = {k: v for k, v in a.items() if k.startswith("moe/layer")}
+        assert sorted(loads) == sorted(
+            f"moe/layer{i}/{k}" for i in (1, 2) for k in ("max_load", "mean_load", "imbalance")
+        )  # layer 0 dense (first_k_dense_replace = 1)
+        assert loads == {k: b[k] for k in loads} and a["moe/tokens_dropped"] == 0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
