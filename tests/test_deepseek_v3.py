@@ -258,3 +258,17 @@ def test_fsdp_and_ep_reproduce_one_process(parity_runs, name):
         )  # layer 0 dense (first_k_dense_replace = 1)
         assert loads == {k: b[k] for k in loads} and a["moe/tokens_dropped"] == 0
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
+
+
+def test_the_16b_recipe_plans_the_flavor_on_fsdp8_ep8():
+    from conftest import RECIPES
+
+    from meshforge.recipe import load_recipe
+    from meshforge.run.launch.plan import make_plan
+
+    recipe = load_recipe(RECIPES / "deepseek_v3_16b.toml", [])
+    plan = make_plan(recipe)
+    assert (recipe.mesh.dp_shard, recipe.mesh.ep) == (8, 8)
+    assert plan.n_params == COUNTS["16b"][0]
+    shape = dict(plan.rows(recipe))["shape"]
+    assert "MLA 16 heads (plain q, kv_lora 512, qk 128+64, v 128)" in shape and "2 shared" in shape

@@ -95,6 +95,23 @@ class DeepseekV3Args:
     def n_moe_layers(self) -> int:
         return sum(is_moe_layer(self, i) for i in range(self.n_layers))
 
+    def describe(self) -> str:
+        """The shape on one line (the dry-run plan's `shape` row)."""
+        query = f"q_lora {self.q_lora_rank}" if self.q_lora_rank else "plain q"
+        rope = f"RoPE theta {self.rope_theta:g}"
+        if self.yarn_factor is not None:
+            rope += f" x{self.yarn_factor:g} (yarn, from {self.yarn_original_max_seq_len})"
+        groups = f", top-{self.topk_group} of {self.n_group} groups" if self.n_group > 1 else ""
+        return (
+            f"dim {self.dim}, {self.n_layers} layers, MLA {self.n_heads} heads ({query}, kv_lora "
+            f"{self.kv_lora_rank}, qk {self.qk_nope_head_dim}+{self.qk_rope_head_dim}, v {self.v_head_dim}), "
+            f"MoE in {self.n_moe_layers} layers: {self.num_experts} experts of {self.moe_dim} + "
+            f"{self.n_shared_experts} shared, {self.score_func} top-{self.num_experts_per_tok}{groups} "
+            f"({self.load_balance}), dense FFN {self.ffn_dim} in {self.n_layers - self.n_moe_layers}, "
+            f"vocab {self.vocab_size}, eps {self.norm_eps:g}, {rope}, "
+            f"{'tied' if self.tie_embeddings else 'untied'} embeddings, max_seq_len {self.max_seq_len}"
+        )
+
     @property
     def softmax_scale(self) -> float:
         """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN (transformers'
