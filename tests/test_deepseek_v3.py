@@ -272,3 +272,18 @@ def test_the_16b_recipe_plans_the_flavor_on_fsdp8_ep8():
     assert plan.n_params == COUNTS["16b"][0]
     shape = dict(plan.rows(recipe))["shape"]
     assert "MLA 16 heads (plain q, kv_lora 512, qk 128+64, v 128)" in shape and "2 shared" in shape
+
+
+def test_torchtitans_16b_job_file_imports_to_the_16b_flavor_and_plans(tmp_path):
+    from conftest import REPO
+
+    from meshforge.migrate import import_config
+    from meshforge.recipe import load_recipe
+    from meshforge.run.launch.plan import make_plan
+
+    job = REPO / "tests" / "configs" / "torchtitan_0.2" / "deepseek_v3_16b.toml"
+    imported = import_config(job, tmp_path / "r.toml", 8)
+    recipe = load_recipe(tmp_path / "r.toml", world_size=8)
+    assert (recipe.model.name, recipe.model.flavor, recipe.mesh.dp_shard) == ("deepseek_v3", "16b", 8)
+    assert make_plan(recipe).args == SPEC.flavors["16b"]  # no field overridden: the same model
+    assert any("aux_free" in note for note in imported.notes)

@@ -41,15 +41,15 @@ FLAVORS: dict[str, DeepseekV3Args] = {
         routed_scaling_factor=2.5,
     ),
     # TorchTitan's deepseek_v3 "16B" (DeepSeek-V2-Lite's shape): 15,706,484,224 parameters,
-    # 2,661,150,208 active; softmax routing without groups, top-6 not renormalised, YaRN as its
-    # rope_factor 40 and mscale 0.70 (TorchTitan stretches RoPE whenever max_seq_len > 4096)
+    # 2,661,150,208 active; softmax routing without groups, top-6 not renormalised; plain RoPE over
+    # 4,096 tokens, as TorchTitan trains it (its YaRN starts beyond 4,096: adapter.py)
     "16b": DeepseekV3Args(
         dim=2048,
         n_layers=27,
         n_heads=16,
         vocab_size=102400,
         ffn_dim=10944,
-        max_seq_len=16384,
+        max_seq_len=4096,
         q_lora_rank=0,
         num_experts=64,
         num_experts_per_tok=6,
@@ -61,9 +61,6 @@ FLAVORS: dict[str, DeepseekV3Args] = {
         topk_group=1,
         routed_scaling_factor=1.0,
         norm_topk_prob=False,
-        yarn_factor=40.0,
-        yarn_mscale=0.70,
-        yarn_mscale_all_dim=0.70,
     ),
     # DeepSeek-V3 (and R1), its config.json: 671,026,404,352 parameters, 37,552,282,624 active (the
     # published 685B adds the MTP module)

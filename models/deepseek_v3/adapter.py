@@ -136,9 +136,52 @@ def rope_config(a: DeepseekV3Args) -> dict:
     return {"rope_theta": a.rope_theta, "rope_scaling": scaling}
 
 
+# TorchTitan's deepseek_v3 "16B" (torchtitan/models/deepseek_v3/__init__.py) in our args' names: its
+# DeepSeekV3ModelArgs defaults (softmax routing, not renormalised, route_scale 1, one expert group).
+# Plain RoPE: TorchTitan sizes RoPE to the training sequence and stretches it by YaRN only when that
+# exceeds original_seq_len (4,096), which its 16B job (seq_len 4,096) does not. Its other flavors
+# (debugmodel, 236B, 671B) are not imported: their MLA sizes are not recipe fields
+TORCHTITAN_FLAVORS = {
+    "16B": dict(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=102400,
+        ffn_dim=10944,
+        max_seq_len=4096,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=6,
+        moe_dim=1408,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        score_func="softmax",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        yarn_factor=None,
+        load_balance="aux_free",
+        bias_update_rate=0.001,
+    )
+}
+TORCHTITAN_BALANCING = (
+    "deepseek_v3: TorchTitan balances its experts by the router bias (load_balance_coeff = 1e-3, moved "
+    "by an optimizer hook) and adds no aux loss: model.load_balance = aux_free, bias_update_rate = 1e-3 "
+    "(TorchTitan also subtracts the update's mean from every bias: the same expert choices)"
+)
+
+
 class DeepseekV3Adapter(StateDictAdapter):
     names = HFNames(HF_LAYER, lambda name, args: None, "DeepSeek-V3", stacked=HF_EXPERTS, fused=HF_FUSED)
     hf_model_type = "deepseek_v3"
+    torchtitan_model = "deepseek_v3"
+    torchtitan_flavors = TORCHTITAN_FLAVORS
+    torchtitan_notes = (TORCHTITAN_BALANCING,)
 
     def hf_config(self, a: DeepseekV3Args, dtype: str = "float32") -> dict:
         """config.json of the equivalent HF DeepseekV3ForCausalLM (no MTP module)."""
