@@ -208,8 +208,9 @@ def test_the_mesh_rules_refuse_what_is_not_wired_for_mla_and_bad_groups():
 
     args = SPEC.flavors["debug"]
     assert SPEC.check(args, ParallelDims(dp_shard=2, ep=2)) == []
-    found = {(p.field, p.value) for p in SPEC.check(args, ParallelDims(tp=2, cp=2, pp=2))}
-    assert found == {("mesh.tp", 2), ("mesh.cp", 2), ("mesh.pp", 2)}
+    assert SPEC.check(args, ParallelDims(dp_shard=2, ep=2, pp=2)) == []
+    found = {(p.field, p.value) for p in SPEC.check(args, ParallelDims(tp=2, cp=2))}
+    assert found == {("mesh.tp", 2), ("mesh.cp", 2)}
     bad = dataclasses.replace(args, n_group=3, topk_group=4, load_balance="aux_loss")
     problems = {p.field: p.message for p in SPEC.check(bad, ParallelDims())}
     assert "into equal groups" in problems["model.n_group"]
@@ -217,11 +218,15 @@ def test_the_mesh_rules_refuse_what_is_not_wired_for_mla_and_bad_groups():
     assert "model.load_balance=aux_free" in problems["model.load_balance"]
 
 
-# --- parity on a mesh: one process vs FSDP 2 and EP 2 (slow: multi-process launches) ------------
+# --- parity on a mesh: one process vs FSDP 2, EP 2, EP 2 x PP 2 (slow: multi-process launches) ----
 
 PARITY_STEPS = 10
 DSV3 = ["model.name=deepseek_v3", "model.bias_update_rate=0.01"]  # a bias that moves: its sync shows
-PARITY = {"fsdp2": ["mesh.dp_shard=2"], "ep2": ["mesh.dp_shard=2", "mesh.ep=2"]}
+PARITY = {
+    "fsdp2": ["mesh.dp_shard=2"],
+    "ep2": ["mesh.dp_shard=2", "mesh.ep=2"],
+    "ep2_pp2": ["mesh.dp_shard=2", "mesh.ep=2", "mesh.pp=2"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +248,7 @@ def parity_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
-def test_fsdp_and_ep_reproduce_one_process(parity_runs, name):
+def test_fsdp_ep_and_pp_reproduce_one_process(parity_runs, name):
     """Loss, grad norm, aux loss (fp32: 1e-5) and every sparse layer's expert loads, step by step;
     no routed token dropped; it learns."""
     base, rows = parity_runs["one"], parity_runs[name]

@@ -98,7 +98,7 @@ def active_params(a: DeepseekV3Args, total: int) -> int:
 
 def check(a: DeepseekV3Args, dims: ParallelDims) -> list[Problem]:
     """The router's rules (top-k within the groups it may pick from), MLA's, and the mesh dims not
-    wired for MLA yet (tp, cp, pp): refused rather than run untested."""
+    wired for MLA yet (tp, cp): refused rather than run untested."""
     problems = []
     group = a.num_experts // a.n_group if a.n_group >= 1 else 0
     if a.n_group < 1 or a.num_experts % a.n_group:
@@ -150,14 +150,13 @@ def check(a: DeepseekV3Args, dims: ParallelDims) -> list[Problem]:
     for dim, why in (
         ("tp", "MLA's TP plan (models/deepseek_v3/tp_plan.py) is not parity-tested yet"),
         ("cp", "context parallel is not wired for MLA (its value heads differ from its key heads)"),
-        ("pp", "pipeline stages of DeepSeek-V3 are not parity-tested yet"),
     ):
         if getattr(dims, dim) > 1:
             problems.append(
                 Problem(
                     f"mesh.{dim}",
                     getattr(dims, dim),
-                    f"deepseek_v3: {why}; set mesh.{dim}=1 (fsdp and ep run)",
+                    f"deepseek_v3: {why}; set mesh.{dim}=1 (fsdp, ep and pp run)",
                 )
             )
     return problems
