@@ -292,3 +292,11 @@ def test_torchtitans_16b_job_file_imports_to_the_16b_flavor_and_plans(tmp_path):
     assert (recipe.model.name, recipe.model.flavor, recipe.mesh.dp_shard) == ("deepseek_v3", "16b", 8)
     assert make_plan(recipe).args == SPEC.flavors["16b"]  # no field overridden: the same model
     assert any("aux_free" in note for note in imported.notes)
+
+
+def test_the_jax_twin_is_refused_by_name():
+    pytest.importorskip("jax", reason="the jax extra")
+    from meshforge.jax.bridge import jax_twin
+
+    with pytest.raises(UnsupportedConfig, match="model.name = 'deepseek_v3': the JAX twin"):
+        jax_twin(SPEC.flavors["debug"]).forward({}, None, SPEC.flavors["debug"])
