@@ -148,7 +148,7 @@ def check(a: DeepseekV3Args, dims: ParallelDims) -> list[Problem]:
     if a.bias_update_rate < 0:
         problems.append(Problem("model.bias_update_rate", a.bias_update_rate, "must be >= 0"))
     for dim, why in (
-        ("tp", "MLA's TP plan (models/deepseek_v3/tp_plan.py) is not parity-tested yet"),
+        ("tp", "MLA's TP plan is not wired yet (models/deepseek_v3/tp_plan.py says why)"),
         ("cp", "context parallel is not wired for MLA (its value heads differ from its key heads)"),
     ):
         if getattr(dims, dim) > 1:

@@ -4,7 +4,10 @@ projections (wq_a, wkv_a) and their norms, whose outputs every head reads, stay 
 The dense layers' feed-forward is the shared decoder's; the MoE runs on the whole sequence as
 Qwen3-MoE's does (models/qwen3_moe/tp_plan.py), its experts split over ep instead.
 
-Not yet parity-tested: the family's check refuses mesh.tp > 1 until it is.
+Not usable yet, so the family's check refuses mesh.tp > 1: the latent projections run on plain
+tensors while the attention's input is a DTensor under sequence parallel (torch refuses the mix),
+and the rotary key `wkv_a` makes reaches every head, so its gradient must be summed over the tp
+ranks (TorchTitan wraps wkv_a, wq_a and the norms as replicated DTensors, `NoParallel`, for that).
 """
 
 from __future__ import annotations
