@@ -57,6 +57,7 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
     """Fill an unsharded model from `source` in format hf | torchtitan | safetensors | jax |
     maxtext (checking shapes, and for HF the config, against the model)."""
     args = model.args
+    model.init_buffers()  # before the weights: a family's weight buffers are read with them
     if fmt == "hf":
         load_into(model, hf_reader_for(source, args))
     elif fmt == "torchtitan" and (source / ".metadata").is_file():
@@ -73,7 +74,6 @@ def import_weights(model: nn.Module, source: Path, fmt: str) -> None:
 
         folder = source / "params" if (source / "params").is_dir() else source
         load_into(model, ArrayReader(load_pytree(folder), f"the JAX pytree at {folder}"))
-    model.init_buffers()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -16,7 +16,7 @@ from omegaconf import ListConfig
 from meshforge.configs.schema import ModelConfig
 from meshforge.core.errors import UnsupportedConfig
 
-from . import llama3, qwen3, qwen3_moe
+from . import deepseek_v3, llama3, qwen3, qwen3_moe
 from .common.hf_config import read_config
 from .common.spec import ModelSpec
 
@@ -34,6 +34,7 @@ def register(spec: ModelSpec) -> ModelSpec:
 register(llama3.SPEC)
 register(qwen3.SPEC)
 register(qwen3_moe.SPEC)
+register(deepseek_v3.SPEC)
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -133,6 +133,10 @@ def load_into(model: torch.nn.Module, reader: WeightReader | ArrayReader) -> Non
                 p.to_local().copy_(reader.read(name, index))
             else:
                 p.copy_(reader.read(name))
+        # buffers the family counts among its weights (DeepSeek-V3's router correction bias)
+        for name, b in model.named_buffers():
+            if name.rsplit(".", 1)[-1] in getattr(model, "weight_buffers", ()):
+                b.copy_(reader.read(name))
 
 
 def hf_reader_for(folder: Path, recipe_args) -> WeightReader:

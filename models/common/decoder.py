@@ -127,6 +127,7 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     attention: type[Attention] = Attention  # a family's subclass swaps its attention in
+    rope_table = staticmethod(precompute_freqs_cis)  # args -> (max_seq_len, rotated dims / 2) complex
     # the sequence positions of the tokens this rank holds, when context parallelism shards them
     # (None: positions 0..S-1); RoPE rotates each token by its own position
     rope_positions: torch.Tensor | None = None
@@ -141,7 +142,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: recomputed by init_buffers, never checkpointed.
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        self.register_buffer("freqs_cis", self.rope_table(args), persistent=False)
 
     def make_block(self, args, layer_id: int) -> nn.Module:
         """Block `layer_id` (a family with several kinds of block, e.g. MoE, overrides this)."""
@@ -162,7 +163,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the RoPE buffer, e.g. after `to_empty` from the meta device."""
-        self.freqs_cis = precompute_freqs_cis(self.args).to(device or self.freqs_cis.device)
+        self.freqs_cis = self.rope_table(self.args).to(device or self.freqs_cis.device)
 
     def init_param(self, fqn: str, full: torch.Tensor, seed: int) -> None:
         """Fill `full` (the unsharded float32 value of parameter `fqn`) in place. A tied output

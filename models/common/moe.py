@@ -1,6 +1,7 @@
 """Mixture-of-experts pieces a family composes (TorchTitan's `models/common/moe` shape): a top-k
-softmax router, grouped experts (one 3-D weight per projection), and the MoE feed-forward that
-routes, dispatches, computes and combines.
+router (softmax, or DeepSeek-V3's sigmoid within expert groups), grouped experts (one 3-D weight
+per projection), optional shared experts, and the MoE feed-forward that routes, dispatches,
+computes and combines.
 
 Dropless: every token reaches each of its top-k experts (no capacity factor). Expert parallelism
 (parallelisms/ep.py) sets `MoE.dispatcher`, which sends each token to the rank that holds its
@@ -31,6 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from meshforge.core.tensors import local_tensor
 
+from .decoder import FeedForward
+
 LOAD_BALANCE = ("aux_loss", "aux_free")  # aux_free: DeepSeek-V3's bias, no loss term
 _counted = [True]  # False while a forward is not a step's (a pipeline stage's shape inference)
 
@@ -53,24 +56,61 @@ def _step_forward() -> bool:
 
 
 class Router(nn.Module):
-    """Softmax over experts, top-k of it (selected with `expert_bias` added when balancing without
-    a loss, DeepSeek-V3; weighted by the probabilities alone), renormalised when `norm_topk_prob`."""
+    """Scores over experts (softmax, or DeepSeek-V3's sigmoid), top-k of them (selected with
+    `expert_bias` added when balancing without a loss, and within the `topk_group` best of `n_group`
+    expert groups when grouped, DeepSeek-V3; weighted by the scores alone), renormalised when
+    `norm_topk_prob`, times `scaling` (DeepSeek-V3's routed_scaling_factor)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        score_func: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling: float = 1.0,
+    ):
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.score_func, self.n_group, self.topk_group, self.scaling = (
+            score_func,
+            n_group,
+            topk_group,
+            scaling,
+        )
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
-        """x (T, D) -> weights (T, k) in x's dtype, expert ids (T, k), probabilities (T, E) fp32."""
+        """x (T, D) -> weights (T, k) in x's dtype, expert ids (T, k), probabilities (T, E) fp32
+        (sigmoid scores normalised to sum to one: what the aux loss reads)."""
         logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        chooser = probs if expert_bias is None else probs + expert_bias
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits.float())
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        else:
+            scores = probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        chooser = scores if expert_bias is None else scores + expert_bias
+        if self.n_group > 1:
+            chooser = self._within_best_groups(chooser)
         experts = torch.topk(chooser, self.top_k, dim=-1).indices
-        weights = probs.gather(-1, experts)
+        weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return weights.to(logits.dtype), experts, probs
+
+    def _within_best_groups(self, chooser: torch.Tensor) -> torch.Tensor:
+        """`chooser` with the experts outside each token's `topk_group` best groups at -inf; a
+        group's score is the sum of its two best experts' (transformers' DeepseekV3TopkRouter)."""
+        tokens, num_experts = chooser.shape
+        grouped = chooser.view(tokens, self.n_group, num_experts // self.n_group)  # (T, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
+        best = torch.topk(group_scores, self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, num_experts)
 
 
 def balanced(rows: int, parts: int) -> list[int]:
@@ -151,8 +191,21 @@ class MoE(nn.Module):
     def __init__(self, args):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
-        self.router = Router(args.dim, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
+        # DeepSeek-V3's router options and shared experts; a family whose args lack them has neither
+        self.router = Router(
+            args.dim,
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+            score_func=getattr(args, "score_func", "softmax"),
+            n_group=getattr(args, "n_group", 1),
+            topk_group=getattr(args, "topk_group", 1),
+            scaling=getattr(args, "routed_scaling_factor", 1.0),
+        )
         self.experts = GroupedExperts(args.dim, args.moe_dim, args.num_experts, args.grouped_mm)
+        n_shared = getattr(args, "n_shared_experts", 0)
+        # the shared experts, one SwiGLU as wide as all of them, see every token (not split over ep)
+        self.shared_experts = FeedForward(args.dim, args.moe_dim * n_shared) if n_shared else None
         self.aux_free = args.load_balance == "aux_free"
         # DeepSeek-V3's selection bias (read under aux_free only; moved by `update_expert_bias`). Saved
         # whatever the balancing, so a checkpoint loads under either and a trained bias is never dropped
@@ -179,6 +232,8 @@ class MoE(nn.Module):
         out = out * weights.flatten()[order, None]
         combined = torch.zeros_like(tokens).index_add_(0, source, out.to(tokens.dtype))
         combined = combined.view(bsz, seqlen, dim)
+        if self.shared_experts is not None:
+            combined = combined + self.shared_experts(x)
         if torch.is_grad_enabled() and self.training and _counted[0]:
             aux = self._aux_loss(experts.view(bsz, seqlen, -1), probs.view(bsz, seqlen, -1))
             if _step_forward():  # not activation checkpointing's recompute (which keeps the gradient)

@@ -91,7 +91,10 @@ def model_source(r: Recipe) -> str:
 
 
 def describe_shape(a) -> str:
-    """The resolved shape on one line: what the model really is, overrides applied."""
+    """The resolved shape on one line: what the model really is, overrides applied (a family whose
+    attention is not this shape's, e.g. DeepSeek-V3's MLA, describes itself)."""
+    if hasattr(a, "describe"):
+        return a.describe()
     rope = f"RoPE theta {a.rope_theta:g}"
     if a.rope_scaling_factor is not None:
         rope += f" x{a.rope_scaling_factor:g} (llama3, from {a.rope_original_max_seq_len})"
