@@ -9,7 +9,9 @@ from .fields import F
 
 @dataclass
 class ModelConfig:
-    name: str = F("llama3", "model family in the registry (meshforge.models): llama3 | qwen3 | qwen3_moe")
+    name: str = F(
+        "llama3", "a model family registered in models/registry.py (a bad name is told the registered ones)"
+    )
     flavor: str = F("debug", "named size of the family: debug, 1b, 8b, ... (not used with model.hf)")
     hf: str | None = F(
         None,

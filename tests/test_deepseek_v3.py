@@ -269,7 +269,7 @@ def test_the_16b_recipe_plans_the_flavor_on_fsdp8_ep8():
     from conftest import RECIPES
 
     from meshforge.recipe import load_recipe
-    from meshforge.run.launch.plan import make_plan
+    from meshforge.run.rank.plan import make_plan
 
     recipe = load_recipe(RECIPES / "deepseek_v3_16b.toml", [])
     plan = make_plan(recipe)
@@ -284,7 +284,7 @@ def test_torchtitans_16b_job_file_imports_to_the_16b_flavor_and_plans(tmp_path):
 
     from meshforge.migrate import import_config
     from meshforge.recipe import load_recipe
-    from meshforge.run.launch.plan import make_plan
+    from meshforge.run.rank.plan import make_plan
 
     job = REPO / "tests" / "configs" / "torchtitan_0.2" / "deepseek_v3_16b.toml"
     imported = import_config(job, tmp_path / "r.toml", 8)
