@@ -151,6 +151,32 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    from meshforge.experiments.search.runner import run_search
+    from meshforge.experiments.search.space import parse_space
+
+    recipe_arg, overrides = _split_positionals(args.items)
+    path = str(resolve_recipe_path(recipe_arg))
+    space = parse_space(args.space, path, overrides)
+    search_dir = Path(args.search_dir) if args.search_dir else None
+    run_search(
+        path,
+        overrides,
+        space,
+        args.trials,
+        args.objective,
+        args.direction,
+        args.storage,
+        args.workers,
+        args.pruner,
+        args.startup_trials,
+        args.seeds,
+        search_dir,
+        console,
+    )
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from meshforge.configs import load_config
     from meshforge.experiments.refine import refined_profile
@@ -304,6 +330,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "import": cmd_init,
     "sweep": cmd_sweep,
     "tune": cmd_tune,
+    "search": cmd_search,
     "compare": cmd_compare,
     "estimate": cmd_estimate,
     "parity": cmd_parity,
