@@ -172,6 +172,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         args.startup_trials,
         args.seeds,
         search_dir,
+        args.study,
         console,
     )
     return 0

@@ -209,6 +209,9 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         help="runs per trial (model and data seed +0..K-1); objective: their mean",
     )
     sea.add_argument("--search-dir", default=None, help="folder (default: <output_dir>/search-<recipe>)")
+    sea.add_argument(
+        "--study", default=None, help="the study's name in the storage (default: search-<recipe>)"
+    )
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
     cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")
     cmp.add_argument("--out", default=None, help="folder for the PNG plots (default: ./compare)")

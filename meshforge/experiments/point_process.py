@@ -21,7 +21,7 @@ def run_point(
 ) -> tuple[str, str]:
     """Run one point in its own process group (a timeout kills everything it started); (status,
     error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too (`PassStop`), and the
-    sweep then stops, raising Interrupted. `watch`, asked about once a second while the point runs,
+    sweep then stops, raising Interrupted. `watch`, asked 4 times a second while the point runs,
     returns why to stop it (a search's pruner) or None: the point is then stopped as a SIGTERM
     stops a run (at the end of a step, its records closed) and its status is `stopped`."""
     with open(log, "w") as f, PassStop() as stop:
@@ -60,7 +60,7 @@ def _wait(proc: subprocess.Popen, timeout: int, watch: Callable[[], str | None] 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            proc.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
             return None
         except subprocess.TimeoutExpired:
             if time.monotonic() >= deadline:

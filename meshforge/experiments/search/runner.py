@@ -44,6 +44,7 @@ def run_search(
     startup_trials: int = 5,
     seeds: int = 1,
     search_dir: Path | None = None,
+    study_name: str | None = None,
     console: Console | None = None,
 ) -> optuna.Study:
     """Search `space` over `recipe_path` until the study holds `trials` trials; the study."""
@@ -56,7 +57,8 @@ def run_search(
     search_dir.mkdir(parents=True, exist_ok=True)
     url = storage or default_storage(search_dir)
     metric = objective_of(base.eval.every, objective)
-    study = open_study(url, f"search-{stem}", stem, direction, make_pruner(pruner, startup_trials), None)
+    name = study_name or f"search-{stem}"
+    study = open_study(url, name, stem, direction, make_pruner(pruner, startup_trials), None)
     killed = fail_killed_trials(study)
     if killed:
         console.print(f"trials {', '.join(map(str, killed))}: their worker was killed; marked failed")

@@ -64,8 +64,8 @@ def open_study(
         study.set_user_attr("recipe", recipe)
     elif owner != recipe:
         raise UsageError(
-            f"--storage {url}: study {name!r} is a search of {owner}, not {recipe}; give another "
-            "--storage (or --search-dir) for this recipe"
+            f"--study {name}: the study at {url} is a search of {owner}, not {recipe}; name another "
+            "--study (or --storage) for this recipe"
         )
     wanted = (
         optuna.study.StudyDirection.MINIMIZE if direction == "min" else optuna.study.StudyDirection.MAXIMIZE

@@ -75,12 +75,13 @@ def run_trial(search: Search, trial: optuna.Trial) -> Outcome:
             return Outcome(TrialState.FAIL, attrs={"error": error, "run": name})
         if status != "finished":
             return Outcome(TrialState.FAIL, attrs={"error": f"{status}: {error}", "run": name})
+        watch.report_rest()  # the steps logged since it last looked: the study's curve is the whole run
         values.append(final_value(run_dir, search.objective))
     return Outcome(TrialState.COMPLETE, sum(values) / len(values), {"seed_values": values})
 
 
 class Watch:
-    """Asked by run_point about once a second: reports the objective's new values to the trial
+    """Asked by run_point while the run goes on: reports the objective's new values to the trial
     (None: reports nothing) and says to stop when the pruner prunes it or the search stops."""
 
     def __init__(self, trial: optuna.Trial | None, metrics: Path, objective: str, stop: threading.Event):
@@ -101,6 +102,13 @@ class Watch:
                 self.pruned_step = row["step"]
                 return f"pruned at step {row['step']} ({self.objective} {row[self.objective]:.4g})"
         return None
+
+    def report_rest(self) -> None:
+        """Report the values logged since the last look, judging none (the run has ended)."""
+        if self.trial is not None:
+            for row in self._new_rows():
+                if self.objective in row:
+                    self.trial.report(row[self.objective], row["step"])
 
     def _new_rows(self) -> list[dict]:
         """Complete lines written since the last call (a line being written waits for the next)."""
