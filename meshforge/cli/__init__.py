@@ -152,29 +152,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from meshforge.experiments.search.runner import run_search
+    from meshforge.experiments.search.runner import OPTIONS, run_search
     from meshforge.experiments.search.space import parse_space
 
     recipe_arg, overrides = _split_positionals(args.items)
     path = str(resolve_recipe_path(recipe_arg))
-    space = parse_space(args.space, path, overrides)
-    search_dir = Path(args.search_dir) if args.search_dir else None
-    run_search(
-        path,
-        overrides,
-        space,
-        args.trials,
-        args.objective,
-        args.direction,
-        args.storage,
-        args.workers,
-        args.pruner,
-        args.startup_trials,
-        args.seeds,
-        search_dir,
-        args.study,
-        console,
-    )
+    options = {k: getattr(args, k) for k in OPTIONS}
+    run_search(path, overrides, parse_space(args.space, path, overrides), console=console, **options)
     return 0
 
 

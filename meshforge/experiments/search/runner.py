@@ -28,7 +28,19 @@ from meshforge.experiments.search.study import (
 from meshforge.experiments.search.trial import Outcome, Search, run_trial
 from meshforge.recipe import load_recipe
 
-optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines: the search says its own
+# run_search's options, as `meshforge search` names them (its flags, with _ for -)
+OPTIONS = (
+    "trials",
+    "objective",
+    "direction",
+    "storage",
+    "workers",
+    "pruner",
+    "startup_trials",
+    "seeds",
+    "search_dir",
+    "study",
+)
 
 
 def run_search(
@@ -43,21 +55,22 @@ def run_search(
     pruner: str = "median",
     startup_trials: int = 5,
     seeds: int = 1,
-    search_dir: Path | None = None,
-    study_name: str | None = None,
+    search_dir: str | Path | None = None,
+    study: str | None = None,
     console: Console | None = None,
 ) -> optuna.Study:
     """Search `space` over `recipe_path` until the study holds `trials` trials; the study."""
     console = console or Console(soft_wrap=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines: the search says its own
     if trials < 1 or workers < 1 or seeds < 1:
         raise UsageError(f"--trials {trials}, --workers {workers}, --seeds {seeds}: each must be at least 1")
     base = load_recipe(recipe_path, overrides, world_size=None)
     stem = Path(recipe_path).stem
-    search_dir = (search_dir or Path(base.output_dir) / f"search-{stem}").resolve()
+    search_dir = Path(search_dir or Path(base.output_dir) / f"search-{stem}").resolve()
     search_dir.mkdir(parents=True, exist_ok=True)
     url = storage or default_storage(search_dir)
     metric = objective_of(base.eval.every, objective)
-    name = study_name or f"search-{stem}"
+    name = study or f"search-{stem}"
     study = open_study(url, name, stem, direction, make_pruner(pruner, startup_trials), None)
     killed = fail_killed_trials(study)
     if killed:
