@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 from conftest import RECIPES, cli_env
 from optuna.trial import TrialState
+from scipy import stats
 
 from meshforge.cli import meshforge_main
+from meshforge.experiments import compare, seeds
 
 RECIPE = str(RECIPES / "debug_cpu.toml")
 # one process, 10 steps of the tiny model: a trial is a few seconds
@@ -159,14 +163,14 @@ def _meshforge(args: list[str], cwd: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_two_workers_write_one_sqlite_study_at_once(tmp_path):
-    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "4", "--pruner", "none")
+    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "3", "--pruner", "none")
     first, second = _meshforge(args, tmp_path), _meshforge(args, tmp_path)
     for p in (first, second):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
     trials = load(tmp_path).get_trials()
-    # each command stops once the study holds 4: the other may have asked for one more meanwhile
-    assert 4 <= len(trials) <= 5 and all(t.state == TrialState.COMPLETE for t in trials)
+    # each command stops once the study holds 3: the other may have asked for one more meanwhile
+    assert 3 <= len(trials) <= 4 and all(t.state == TrialState.COMPLETE for t in trials)
     assert {t.user_attrs["worker"].rpartition(":")[2] for t in trials} == {str(first.pid), str(second.pid)}
     for t in trials:
         info = run_json(tmp_path, f"trial-{t.number:04d}")
@@ -175,7 +179,7 @@ def test_two_workers_write_one_sqlite_study_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_worker_leaves_a_study_the_next_command_continues(tmp_path):
-    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "2", "train.steps=30")
+    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "1", "train.steps=30")
     worker = _meshforge(args, tmp_path)
     metrics = tmp_path / "search-debug_cpu/trial-0000/metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -191,4 +195,54 @@ def test_a_killed_worker_leaves_a_study_the_next_command_continues(tmp_path):
     assert "trials 0: their worker was killed; marked failed" in out
     killed, *rest = load(tmp_path).get_trials()
     assert killed.state == TrialState.FAIL and f":{worker.pid} was killed" in killed.user_attrs["killed"]
-    assert [t.state for t in rest] == [TrialState.COMPLETE] * 2  # the killed one is not counted
+    assert [t.state for t in rest] == [TrialState.COMPLETE]  # the killed one is not counted
+
+
+@pytest.mark.slow
+def test_seeds_are_one_point_and_compare_gives_scipys_mean_std_and_welch_interval(tmp_path, capsys):
+    flags = [
+        "--space",
+        "optimizer.lr=choice(0.003,0.0003)",
+        "--seeds",
+        "2",
+        "--trials",
+        "2",
+        "--pruner",
+        "none",
+    ]
+    study = optuna.create_study(study_name="search-debug_cpu", storage=f"sqlite:///{tmp_path}/study.db")
+    study.enqueue_trial({"optimizer.lr": "0.003"})
+    study.enqueue_trial({"optimizer.lr": "0.0003"})
+    (tmp_path / "search-debug_cpu").mkdir()
+    (tmp_path / "study.db").rename(tmp_path / "search-debug_cpu" / "study.db")
+    assert meshforge_main(search(tmp_path, *flags)) == 0
+    capsys.readouterr()
+    folder = tmp_path / "search-debug_cpu"
+    final = {
+        (t, s): rows_of(tmp_path, f"trial-000{t}-seed{s}")[-1]["loss"] for t in range(2) for s in range(2)
+    }
+    for t in range(2):  # each seed its own model init and data order; the trial's value their mean
+        infos = [run_json(tmp_path, f"trial-000{t}-seed{s}") for s in range(2)]
+        assert [(i["recipe"]["seed"], i["recipe"]["data"]["seed"]) for i in infos] == [(0, 1234), (1, 1235)]
+        assert final[t, 0] != final[t, 1]
+        assert load(tmp_path).trials[t].value == pytest.approx((final[t, 0] + final[t, 1]) / 2, rel=1e-12)
+
+    out_dir = tmp_path / "plots"
+    assert meshforge_main(["compare", str(folder), "--out", str(out_dir), "--baseline", "trial-0000"]) == 0
+    out = " ".join(re.sub("[│┃]", " ", capsys.readouterr().out).split())  # the table's cells, spaced
+    # what scipy computes from the records themselves
+    a, b = [final[1, 0], final[1, 1]], [final[0, 0], final[0, 1]]
+    welch = stats.ttest_ind(a, b, equal_var=False)
+    ci = welch.confidence_interval(0.95)
+    for values in (a, b):
+        assert f"{np.mean(values):.4f} {np.std(values, ddof=1):.4f}" in out
+    diff = np.mean(a) - np.mean(b)
+    assert (
+        f"trial-0001 2 {np.mean(a):.4f} {np.std(a, ddof=1):.4f} {diff:+.4g} [{ci.low:+.4g}, {ci.high:+.4g}]"
+        in out
+    )
+    assert ("significant" if welch.pvalue < 0.05 else "within noise") in out
+    (d,) = seeds.differences(seeds.final_values(compare.find_runs([folder]), "loss"), "trial-0000")
+    assert (d.low, d.high, d.pvalue) == (ci.low, ci.high, welch.pvalue) and d.diff == pytest.approx(
+        diff, rel=1e-12
+    )
