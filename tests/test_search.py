@@ -246,3 +246,19 @@ def test_seeds_are_one_point_and_compare_gives_scipys_mean_std_and_welch_interva
     assert (d.low, d.high, d.pvalue) == (ci.low, ci.high, welch.pvalue) and d.diff == pytest.approx(
         diff, rel=1e-12
     )
+
+
+@pytest.mark.slow
+def test_run_recipe_seeds_repeat_one_point_in_one_group(tmp_path, capsys):
+    from meshforge.cli import run_recipe_main
+
+    args = [RECIPE, *TINY, "train.steps=4", f"output_dir={tmp_path}", "run_name=pt", "--seeds", "2"]
+    assert run_recipe_main(args) == 0
+    infos = [json.loads((tmp_path / f"pt-seed{i}" / "run.json").read_text()) for i in range(2)]
+    assert [(i["status"], i["recipe"]["seed"], i["recipe"]["data"]["seed"]) for i in infos] == [
+        ("finished", 0, 1234),
+        ("finished", 1, 1235),
+    ]
+    assert {i["recipe"]["logging"]["wandb_group"] for i in infos} == {"pt"}
+    assert run_recipe_main([*args, "--sweep"]) == 2
+    assert "--seeds with --sweep: a sweep runs each layout once" in capsys.readouterr().err

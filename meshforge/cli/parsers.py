@@ -60,6 +60,13 @@ def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="repeat the run K times, model and data seeds +0..K-1, as <run_name>-seed<i> in one W&B group "
+        "(compare: mean, std and Welch's interval over them)",
+    )
     p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
     p.add_argument(
         "--quiet",
