@@ -65,6 +65,11 @@ def run_search(
     if trials < 1 or workers < 1 or seeds < 1:
         raise UsageError(f"--trials {trials}, --workers {workers}, --seeds {seeds}: each must be at least 1")
     base = load_recipe(recipe_path, overrides, world_size=None)
+    if base.sweep.launcher == "slurm":
+        raise UsageError(
+            "sweep.launcher=slurm: a search runs its trials on this machine; run `meshforge search` "
+            "inside the allocation (several commands may share one --storage), or set sweep.launcher=local"
+        )
     stem = Path(recipe_path).stem
     search_dir = Path(search_dir or Path(base.output_dir) / f"search-{stem}").resolve()
     search_dir.mkdir(parents=True, exist_ok=True)
