@@ -141,6 +141,7 @@ def test_a_search_prunes_a_trailing_trial_and_a_rerun_continues_the_study(tmp_pa
     assert pruned.intermediate_values == {r["step"]: r["loss"] for r in stopped[:at]}
     assert run_json(tmp_path, "trial-0000")["status"] == "finished"
     assert "best: trial 0" in out and "reproduce with: optimizer.lr=0.003" in out
+    assert f"plots: {tmp_path / 'search-debug_cpu' / 'history.png'}" in out  # Optuna's own analysis
 
     before = (tmp_path / "search-debug_cpu/trial-0000/metrics.jsonl").stat().st_mtime
     assert meshforge_main(search(tmp_path, *flags[:-1], "3")) == 0  # the same study, one more trial
@@ -227,6 +228,7 @@ def test_seeds_are_one_point_and_compare_gives_scipys_mean_std_and_welch_interva
         assert final[t, 0] != final[t, 1]
         assert load(tmp_path).trials[t].value == pytest.approx((final[t, 0] + final[t, 1]) / 2, rel=1e-12)
 
+    assert {p.name for p in folder.glob("*.png")} == {"history.png", "importances.png", "slice.png"}
     out_dir = tmp_path / "plots"
     assert meshforge_main(["compare", str(folder), "--out", str(out_dir), "--baseline", "trial-0000"]) == 0
     out = " ".join(re.sub("[│┃]", " ", capsys.readouterr().out).split())  # the table's cells, spaced

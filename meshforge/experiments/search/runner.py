@@ -16,6 +16,7 @@ from rich.table import Table
 
 from meshforge.core.errors import Interrupted, UsageError
 from meshforge.core.tables import wide
+from meshforge.experiments.search.plots import write_study_plots
 from meshforge.experiments.search.space import as_override
 from meshforge.experiments.search.study import (
     counted,
@@ -111,6 +112,8 @@ def run_search(
     if errors:
         raise errors[0]
     print_trials(study, console)
+    plots = write_study_plots(study, search_dir)
+    console.print("plots: " + ", ".join(str(p) for p in plots), highlight=False)
     if stopped.name:
         raise Interrupted(f"stopped by {stopped.name}: the running trials were stopped and marked failed")
     return study

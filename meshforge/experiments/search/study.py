@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import optuna
@@ -42,14 +43,7 @@ def open_study(
 ) -> optuna.Study:
     """The study `name` at `url`, created or continued. One of another recipe, or searched in the
     other direction, is refused; a URL that cannot be opened is said on one line."""
-    try:
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
-    except Exception as e:  # SQLAlchemy's many kinds (no driver, refused, bad URL): said, not traced
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"--storage {url}: cannot open it ({type(e).__name__}: {first[:200]}); give a reachable "
-            "database URL, e.g. sqlite:///search.db or postgresql://user@host/db"
-        ) from None
+    storage = _storage(url)
     sampler = optuna.samplers.TPESampler(seed=seed)
     study = optuna.create_study(
         storage=storage,
@@ -76,6 +70,22 @@ def open_study(
             f"{study.direction.name.lower()}; keep its direction, or search in a new --storage"
         )
     return study
+
+
+def _storage(url: str, tries: int = 4) -> optuna.storages.RDBStorage:
+    """Optuna's storage at `url`. Workers starting together race to create its tables (one gets
+    an IntegrityError): each try after the first finds them made."""
+    for attempt in range(tries):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+        except Exception as e:  # SQLAlchemy's many kinds (no driver, refused, bad URL): said, not traced
+            error = e
+            time.sleep(0.5 * (attempt + 1))
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise UsageError(
+        f"--storage {url}: cannot open it ({type(error).__name__}: {first[:200]}); give a reachable "
+        "database URL, e.g. sqlite:///search.db or postgresql://user@host/db"
+    )
 
 
 def _engine_kwargs(url: str) -> dict:
