@@ -196,6 +196,14 @@ def test_a_killed_worker_leaves_a_study_the_next_command_continues(tmp_path):
     assert "trials 0: their worker was killed; marked failed" in out
     killed, *rest = load(tmp_path).get_trials()
     assert killed.state == TrialState.FAIL and f":{worker.pid} was killed" in killed.user_attrs["killed"]
+    # its run, orphaned in its own session, was stopped by the next command at a step, records closed
+    deadline = time.monotonic() + 60
+    while run_json(tmp_path, "trial-0000")["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    info = run_json(tmp_path, "trial-0000")
+    assert info["status"] == "preempted" and "stopped by SIGTERM" in info["error"], info["status"]
+    assert len(rows_of(tmp_path, "trial-0000")) < 30
     assert [t.state for t in rest] == [TrialState.COMPLETE]  # the killed one is not counted
 
 

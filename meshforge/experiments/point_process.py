@@ -17,16 +17,23 @@ from meshforge.experiments.sweep_record import log_verdict
 
 
 def run_point(
-    cmd: list[str], timeout: int, log: Path, watch: Callable[[], str | None] | None = None
+    cmd: list[str],
+    timeout: int,
+    log: Path,
+    watch: Callable[[], str | None] | None = None,
+    started: Callable[[int], None] | None = None,
 ) -> tuple[str, str]:
     """Run one point in its own process group (a timeout kills everything it started); (status,
     error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too (`PassStop`), and the
     sweep then stops, raising Interrupted. `watch`, asked 4 times a second while the point runs,
     returns why to stop it (a search's pruner) or None: the point is then stopped as a SIGTERM
-    stops a run (at the end of a step, its records closed) and its status is `stopped`."""
+    stops a run (at the end of a step, its records closed) and its status is `stopped`. `started`
+    is told the point's pid (its launcher's) once it runs."""
     with open(log, "w") as f, PassStop() as stop:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         stop.started(proc)
+        if started is not None:
+            started(proc.pid)
         try:
             reason = _wait(proc, timeout, watch)
             if reason is not None:

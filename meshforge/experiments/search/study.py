@@ -4,6 +4,7 @@ trials left running by a worker that was killed (marked failed, so the next comm
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -99,7 +100,7 @@ def worker_id() -> str:
 
 def fail_killed_trials(study: optuna.Study) -> list[int]:
     """Trials left RUNNING by a worker of this machine that is no longer alive: marked FAIL
-    (user attr `killed`), their run stopped if it is still going. The numbers marked."""
+    (user attr `killed`), their run, if still going, stopped. The numbers marked."""
     host = socket.gethostname()
     marked = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -107,6 +108,9 @@ def fail_killed_trials(study: optuna.Study) -> list[int]:
         who, _, pid = worker.rpartition(":")
         if who != host or not pid.isdigit() or _alive(int(pid)):
             continue  # another machine's worker, or alive: its own
+        run_pid = t.user_attrs.get("run_pid")
+        if run_pid and _alive(run_pid):
+            _stop(run_pid)  # its run, orphaned: stopped at a step as a SIGTERM stops it, its ranks freed
         # a Trial of another worker's trial: FrozenTrial names its id only privately
         optuna.trial.Trial(study, t._trial_id).set_user_attr(KILLED, f"its worker {worker} was killed")
         study.tell(t.number, state=TrialState.FAIL)
@@ -127,3 +131,10 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _stop(pid: int) -> None:
+    try:  # its launcher only: a SIGTERM to its group would kill the ranks' fork server
+        os.kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -67,7 +67,8 @@ def run_trial(search: Search, trial: optuna.Trial) -> Outcome:
         ]
         watch = Watch(trial if i == 0 else None, run_dir / "metrics.jsonl", search.objective, search.stop)
         command = point_command(search.recipe_path, {"run_overrides": overrides})
-        status, error = run_point(command, search.timeout_s, search.search_dir / f"{name}.log", watch)
+        log = search.search_dir / f"{name}.log"
+        status, error = run_point(command, search.timeout_s, log, watch, _note_pid(trial))
         if status == "stopped" and watch.pruned_step is not None:
             _mark_pruned(run_dir, watch.pruned_step, error)
             return Outcome(TrialState.PRUNED, attrs={"pruned_at_step": watch.pruned_step, "run": name})
@@ -78,6 +79,12 @@ def run_trial(search: Search, trial: optuna.Trial) -> Outcome:
         watch.report_rest()  # the steps logged since it last looked: the study's curve is the whole run
         values.append(final_value(run_dir, search.objective))
     return Outcome(TrialState.COMPLETE, sum(values) / len(values), {"seed_values": values})
+
+
+def _note_pid(trial: optuna.Trial):
+    """The run's pid, kept with the trial: a worker killed mid-trial leaves the run going in its own
+    session, and the next command stops it (study.fail_killed_trials)."""
+    return lambda pid: trial.set_user_attr("run_pid", pid)
 
 
 class Watch:
