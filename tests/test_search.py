@@ -272,3 +272,21 @@ def test_run_recipe_seeds_repeat_one_point_in_one_group(tmp_path, capsys):
     assert {i["recipe"]["logging"]["wandb_group"] for i in infos} == {"pt"}
     assert run_recipe_main([*args, "--sweep"]) == 2
     assert "--seeds with --sweep: a sweep runs each layout once" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_running_trial_cleanly_and_they_are_not_counted(tmp_path):
+    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "2", "--workers", "2")
+    search_proc = _meshforge([*args, "train.steps=40"], tmp_path)
+    folder, deadline = tmp_path / "search-debug_cpu", time.monotonic() + 120
+    while not all((folder / f"trial-000{i}/metrics.jsonl").is_file() for i in range(2)):
+        assert time.monotonic() < deadline and search_proc.poll() is None, search_proc.communicate()
+        time.sleep(0.5)
+    search_proc.send_signal(signal.SIGINT)
+    out, err = search_proc.communicate(timeout=120)
+    assert search_proc.returncode == 130, err[-2000:]
+    assert "stopped by SIGINT: the running trials were stopped and marked failed (not counted" in err
+    for t in load(tmp_path).get_trials():
+        assert t.state == TrialState.FAIL and t.user_attrs["interrupted"] is True
+        info = run_json(tmp_path, f"trial-{t.number:04d}")
+        assert info["status"] == "preempted" and len(rows_of(tmp_path, f"trial-{t.number:04d}")) < 40

@@ -11,18 +11,19 @@ from optuna.trial import TrialState
 
 
 def write_study_plots(study: optuna.Study, folder: Path) -> list[Path]:
-    """history.png always; importances.png and slice.png once two trials have completed (an
+    """history.png once a trial has completed; importances.png and slice.png once two have (an
     importance needs a spread of values). The paths written."""
     import matplotlib.pyplot as plt  # Optuna's analyses draw on pyplot; only when a search ends
     from optuna.visualization import matplotlib as ovm
 
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-    plots = {"history.png": ovm.plot_optimization_history}
+    plots = {"history.png": ovm.plot_optimization_history} if complete else {}
     if len(complete) >= 2 and len({t.value for t in complete}) > 1:
         plots.update({"importances.png": ovm.plot_param_importances, "slice.png": ovm.plot_slice})
     paths = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", UserWarning)  # matplotlib's, of a legend with one line
         for name, plot in plots.items():
             drawn = plot(study)
             fig = (drawn.flat[0] if hasattr(drawn, "flat") else drawn).figure

@@ -112,10 +112,13 @@ def run_search(
     if errors:
         raise errors[0]
     print_trials(study, console)
-    plots = write_study_plots(study, search_dir)
-    console.print("plots: " + ", ".join(str(p) for p in plots), highlight=False)
+    if plots := write_study_plots(study, search_dir):
+        console.print("plots: " + ", ".join(str(p) for p in plots), highlight=False)
     if stopped.name:
-        raise Interrupted(f"stopped by {stopped.name}: the running trials were stopped and marked failed")
+        raise Interrupted(
+            f"stopped by {stopped.name}: the running trials were stopped and marked failed (not counted: "
+            "the same command continues the study)"
+        )
     return study
 
 

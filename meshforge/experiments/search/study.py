@@ -16,9 +16,11 @@ from meshforge.core.errors import UsageError
 
 PRUNERS = ("median", "halving", "hyperband", "none")
 # what counts toward --trials: a failed trial counts too (a point that always fails is not retried
-# forever); a trial whose worker was killed does not (the next command runs it again)
+# forever); one whose worker was killed, or stopped by a Ctrl-C to its search, does not (the next
+# command runs another in its place)
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)
 KILLED = "killed"  # user attr of a trial failed because its worker was killed
+INTERRUPTED = "interrupted"  # user attr of a trial stopped with its search (Ctrl-C, SIGTERM)
 
 
 def default_storage(search_dir: Path) -> str:
@@ -120,7 +122,8 @@ def fail_killed_trials(study: optuna.Study) -> list[int]:
 
 def counted(study: optuna.Study) -> int:
     """The trials that count toward --trials."""
-    return sum(1 for t in study.get_trials(deepcopy=False, states=COUNTED) if KILLED not in t.user_attrs)
+    trials = study.get_trials(deepcopy=False, states=COUNTED)
+    return sum(1 for t in trials if KILLED not in t.user_attrs and INTERRUPTED not in t.user_attrs)
 
 
 def _alive(pid: int) -> bool:

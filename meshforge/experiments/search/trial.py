@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 from meshforge.core.errors import UsageError
 from meshforge.experiments.point_process import run_point
 from meshforge.experiments.search.space import as_override
+from meshforge.experiments.search.study import INTERRUPTED
 from meshforge.experiments.sweep import point_command
 from meshforge.run.observe.record import write_json_atomic
 
@@ -72,8 +73,8 @@ def run_trial(search: Search, trial: optuna.Trial) -> Outcome:
         if status == "stopped" and watch.pruned_step is not None:
             _mark_pruned(run_dir, watch.pruned_step, error)
             return Outcome(TrialState.PRUNED, attrs={"pruned_at_step": watch.pruned_step, "run": name})
-        if status == "stopped":
-            return Outcome(TrialState.FAIL, attrs={"error": error, "run": name})
+        if status == "stopped":  # with the search: not counted, the next command runs another
+            return Outcome(TrialState.FAIL, attrs={"error": error, "run": name, INTERRUPTED: True})
         if status != "finished":
             return Outcome(TrialState.FAIL, attrs={"error": f"{status}: {error}", "run": name})
         watch.report_rest()  # the steps logged since it last looked: the study's curve is the whole run
