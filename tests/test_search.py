@@ -252,6 +252,7 @@ def test_seeds_are_one_point_and_compare_gives_scipys_mean_std_and_welch_interva
         in out
     )
     assert ("significant" if welch.pvalue < 0.05 else "within noise") in out
+    assert (out_dir / "loss_by_point.png").is_file()
     (d,) = seeds.differences(seeds.final_values(compare.find_runs([folder]), "loss"), "trial-0000")
     assert (d.low, d.high, d.pvalue) == (ci.low, ci.high, welch.pvalue) and d.diff == pytest.approx(
         diff, rel=1e-12

@@ -261,10 +261,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out.print(compare.comparison_table(runs))
     paths = compare.write_plots(runs, Path(args.out or "compare"), args.metrics.split(","), args.align)
     console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)
-    from meshforge.experiments.seeds import print_seeds
+    from meshforge.experiments.seeds import print_seeds  # a baseline point: its seeds, no parity
 
-    if print_seeds(runs, args.metrics.split(",")[0], args.baseline, out) or args.baseline is None:
-        return 0  # a baseline point's seeds were compared, not a run's losses
+    if print_seeds(runs, args.metrics, args.baseline, out, paths[0].parent) or not args.baseline:
+        return 0
     results = compare.parity(runs, args.baseline, args.tol)
     out.print(compare.parity_table(results, args.baseline, args.tol))
     return 0 if all(p["ok"] for p in results) else 1

@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
+from matplotlib.figure import Figure  # the object API, as compare's plots: files only
 from rich.console import Console
 from rich.table import Table
 
@@ -97,12 +99,45 @@ def seeds_table(
     return table
 
 
-def print_seeds(runs: list[Run], metric: str, baseline: str | None, console: Console) -> bool:
-    """Print the seeds table when some point has several seeds; True when `baseline` named a point
-    (not a run), the differences then being against it."""
+def print_seeds(runs: list[Run], metrics: str, baseline: str | None, console: Console, folder: Path) -> bool:
+    """When some point has several seeds: print the seeds table of the first of `metrics` (compare's
+    --metrics) and draw each point's curve with its spread (`<metric>_by_point.png` in `folder`).
+    True when `baseline` named a point (not a run), the differences then being against it."""
+    metric = metrics.split(",")[0]
     points = final_values(runs, metric)
     if not any(len(v) > 1 for v in points.values()):
         return False
     is_point = baseline in points and all(r.name != baseline for r in runs)
     console.print(seeds_table(points, metric, baseline if is_point else None))
+    path = folder / f"{metric.replace('/', '_')}_by_point.png"
+    plot_spread(runs, metric).savefig(path, dpi=100)
+    console.print(f"plot over seeds: {path}", highlight=False)
     return is_point
+
+
+def plot_spread(runs: list[Run], metric: str) -> Figure:
+    """Each point's mean `metric` over its seeds against step, shaded one standard deviation either
+    side (the steps every seed logged)."""
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    by_point: dict[str, list[Run]] = {}
+    for r in runs:
+        by_point.setdefault(point_of(r.name), []).append(r)
+    for i, (name, group) in enumerate(by_point.items()):
+        curves = [{row["step"]: row[metric] for row in r.rows if metric in row} for r in group]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        if not steps:
+            continue
+        stats = [mean_std([c[s] for c in curves]) for s in steps]
+        means = [m for m, _ in stats]
+        ax.plot(steps, means, color=f"C{i % 10}", label=f"{name} ({len(group)} seeds)")
+        if len(group) > 1:
+            ax.fill_between(
+                steps, [m - sd for m, sd in stats], [m + sd for m, sd in stats], color=f"C{i % 10}", alpha=0.2
+            )
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric}: mean over seeds, ±1 std shaded")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
