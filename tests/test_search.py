@@ -164,14 +164,14 @@ def _meshforge(args: list[str], cwd: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_two_workers_write_one_sqlite_study_at_once(tmp_path):
-    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "3", "--pruner", "none")
+    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "2", "--pruner", "none")
     first, second = _meshforge(args, tmp_path), _meshforge(args, tmp_path)
     for p in (first, second):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
     trials = load(tmp_path).get_trials()
-    # each command stops once the study holds 3: the other may have asked for one more meanwhile
-    assert 3 <= len(trials) <= 4 and all(t.state == TrialState.COMPLETE for t in trials)
+    # each command stops once the study holds 2: the other may have asked for one more meanwhile
+    assert 2 <= len(trials) <= 3 and all(t.state == TrialState.COMPLETE for t in trials)
     assert {t.user_attrs["worker"].rpartition(":")[2] for t in trials} == {str(first.pid), str(second.pid)}
     for t in trials:
         info = run_json(tmp_path, f"trial-{t.number:04d}")

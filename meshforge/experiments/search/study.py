@@ -77,12 +77,14 @@ def open_study(
 
 def _storage(url: str, tries: int = 4) -> optuna.storages.RDBStorage:
     """Optuna's storage at `url`. Workers starting together race to create its tables (one gets
-    an IntegrityError): each try after the first finds them made."""
+    an IntegrityError, or finds the file locked): each try after the first finds them made."""
     for attempt in range(tries):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
         except Exception as e:  # SQLAlchemy's many kinds (no driver, refused, bad URL): said, not traced
             error = e
+            if not ("IntegrityError" in type(e).__name__ or "locked" in str(e)):
+                break
             time.sleep(0.5 * (attempt + 1))
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise UsageError(
