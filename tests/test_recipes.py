@@ -398,6 +398,7 @@ VALUED_FLAGS = {
     "--device-memory",
     "--out",
     "--baseline",
+    "--seeds",
     "--profile",
     "--profile-out",
     "--top",
