@@ -76,9 +76,10 @@ def run_search(
     search_dir.mkdir(parents=True, exist_ok=True)
     url = storage or default_storage(search_dir)
     metric = objective_of(base.eval.every, objective)
-    name = study or f"search-{stem}"
-    study = open_study(url, name, stem, direction, make_pruner(pruner, startup_trials), None)
-    killed = fail_killed_trials(study)
+    opened = open_study(
+        url, study or f"search-{stem}", stem, direction, make_pruner(pruner, startup_trials), None
+    )
+    killed = fail_killed_trials(opened)
     if killed:
         console.print(f"trials {', '.join(map(str, killed))}: their worker was killed; marked failed")
     search = Search(
@@ -91,7 +92,7 @@ def run_search(
         seeds=[(base.seed + i, base.data.seed + i) for i in range(seeds)],
     )
     console.print(
-        f"search {search_dir}: {trials} trials ({counted(study)} in the study), objective {metric} "
+        f"search {search_dir}: {trials} trials ({counted(opened)} in the study), objective {metric} "
         f"({direction}), pruner {pruner}, {workers} worker(s); study {url}",
         highlight=False,
     )
@@ -99,7 +100,7 @@ def run_search(
     lock = threading.Lock()
     threads = [
         threading.Thread(
-            target=_worker, args=(study, space, search, trials, lock, errors, console), daemon=True
+            target=_worker, args=(opened, space, search, trials, lock, errors, console), daemon=True
         )
         for _ in range(workers)
     ]
@@ -111,15 +112,15 @@ def run_search(
                 t.join(timeout=0.5)
     if errors:
         raise errors[0]
-    print_trials(study, console)
-    if plots := write_study_plots(study, search_dir):
+    print_trials(opened, console)
+    if plots := write_study_plots(opened, search_dir):
         console.print("plots: " + ", ".join(str(p) for p in plots), highlight=False)
     if stopped.name:
         raise Interrupted(
             f"stopped by {stopped.name}: the running trials were stopped and marked failed (not counted: "
             "the same command continues the study)"
         )
-    return study
+    return opened
 
 
 def objective_of(eval_every: int, objective: str | None) -> str:
