@@ -420,6 +420,7 @@ VALUED_FLAGS = {
     "--device-memory",
     "--out",
     "--baseline",
+    "--seeds",
     "--profile",
     "--profile-out",
     "--top",

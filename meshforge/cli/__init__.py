@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from meshforge.cli.parsers import parse_axes, run_parser, subcommand_parsers
-from meshforge.cli.run import run_loaded
+from meshforge.cli.run import run_loaded, seed_repeats
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
 from meshforge.configs.explain import explain_table
 from meshforge.core.errors import (
@@ -75,11 +75,11 @@ def _split_positionals(items: Sequence[str]) -> tuple[str | None, list[str]]:
     return recipe, [x for x in items if x is not recipe]
 
 
-def _load(args: argparse.Namespace, world: int | None = None) -> Recipe:
+def _load(args: argparse.Namespace, world: int | None = None, extra: Sequence[str] = ()) -> Recipe:
     from meshforge.recipe import load_recipe
 
     recipe_arg, overrides = _split_positionals(args.items)
-    return load_recipe(recipe_arg, overrides, world_size=world)
+    return load_recipe(recipe_arg, [*overrides, *extra], world_size=world)
 
 
 def forks_local_ranks(args: argparse.Namespace) -> bool:
@@ -133,7 +133,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(recipe_to_toml(recipe), end="")  # plain: TOML that loads back to the same recipe
         return 0
-    return run_loaded(recipe, dry_run=args.dry_run)
+    for repeat in seed_repeats(recipe, args.seeds):  # each seed a run of its own, one after another
+        recipe = _load(args, _env_world(args.nproc), repeat) if repeat else recipe
+        recipe.logging.progress = recipe.logging.progress and not args.quiet
+        run_loaded(recipe, dry_run=args.dry_run)
+    return 0
 
 
 # --- meshforge subcommands -------------------------------------------------------------
@@ -142,12 +146,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from meshforge.experiments.sweep import run_sweep
 
+    if getattr(args, "seeds", 1) != 1:
+        raise UsageError(
+            "--seeds with --sweep: a sweep runs each layout once; repeat one with run_recipe --seeds K"
+        )
     recipe_arg, overrides = _split_positionals(args.items)
     path = resolve_recipe_path(recipe_arg)
     world = _world_for(path, overrides, args.world or args.nproc)
     axes = parse_axes(args.axis)
     sweep_dir = Path(args.sweep_dir) if args.sweep_dir else None
     run_sweep(str(path), overrides, world, axes, sweep_dir, console, plan_only=args.plan)
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from meshforge.experiments.search.runner import OPTIONS, run_search
+    from meshforge.experiments.search.space import parse_space
+
+    recipe_arg, overrides = _split_positionals(args.items)
+    path = str(resolve_recipe_path(recipe_arg))
+    options = {k: getattr(args, k) for k in OPTIONS}
+    run_search(path, overrides, parse_space(args.space, path, overrides), console=console, **options)
     return 0
 
 
@@ -246,7 +265,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     folder = Path(args.out) if args.out else compare.beside(runs)
     paths = compare.write_plots(runs, folder, metrics, args.align)
     console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)
-    if args.baseline is None:
+    from meshforge.experiments.seeds import print_seeds  # a baseline point: its seeds, no parity
+
+    if print_seeds(runs, args.metrics, args.baseline, out, paths[0].parent) or not args.baseline:
         return 0
     results = compare.parity(runs, args.baseline, args.tol)
     out.print(compare.parity_table(results, args.baseline, args.tol))
@@ -308,6 +329,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "import": cmd_init,
     "sweep": cmd_sweep,
     "tune": cmd_tune,
+    "search": cmd_search,
     "compare": cmd_compare,
     "estimate": cmd_estimate,
     "parity": cmd_parity,

@@ -72,6 +72,13 @@ def run_parser(prog: str = "run_recipe") -> argparse.ArgumentParser:
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--dry-run", action="store_true", help="print the plan (parameters, mesh, batch) and exit")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="repeat the run K times, model and data seeds +0..K-1, as <run_name>-seed<i> in one W&B group "
+        "(compare: mean, std and Welch's interval over them)",
+    )
     p.add_argument("--nproc", type=int, default=None, help="world size when the mesh has a -1 degree")
     p.add_argument(
         "--quiet",
@@ -175,6 +182,54 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         metavar="RUNS",
         help="refine the profile by measured runs (a sweep, tune or run folder: their steady step "
         "times; repeatable), write it to ./meshforge-profile-<name>+runs.toml, then predict with it",
+    )
+    sea = _recipe_items(
+        add(
+            "search",
+            "search recipe fields (lr, warmup, layouts, ...) with Optuna: each trial an ordinary run, "
+            "pruned early when it trails; the study kept in SQLite (or --storage), continued by a rerun",
+        ),
+        nproc=False,
+    )
+    sea.add_argument(
+        "--space",
+        action="append",
+        default=[],
+        metavar="KEY=SPEC",
+        help="a recipe field and its range: log(1e-4,1e-2), float(a,b[,step]), int(0,200[,step]) or "
+        "choice(a,b,...) (repeatable)",
+    )
+    sea.add_argument(
+        "--trials", type=int, default=20, help="trials the study holds when done (a rerun continues)"
+    )
+    sea.add_argument(
+        "--objective",
+        default=None,
+        help="a logged metric, its last value (default: eval/loss if the recipe evaluates, else loss)",
+    )
+    sea.add_argument("--direction", choices=["min", "max"], default="min", help="minimise or maximise it")
+    sea.add_argument(
+        "--storage", default=None, help="Optuna storage URL (default: sqlite:///<search-dir>/study.db)"
+    )
+    sea.add_argument("--workers", type=int, default=1, help="trials run at once, sharing the study")
+    sea.add_argument(
+        "--pruner",
+        choices=["median", "halving", "hyperband", "none"],
+        default="median",
+        help="stops trials that trail at an intermediate step (each eval, else each logged loss)",
+    )
+    sea.add_argument(
+        "--startup-trials", type=int, default=5, help="median pruner: trials run to the end before it prunes"
+    )
+    sea.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per trial (model and data seed +0..K-1); objective: their mean",
+    )
+    sea.add_argument("--search-dir", default=None, help="folder (default: <output_dir>/search-<recipe>)")
+    sea.add_argument(
+        "--study", default=None, help="the study's name in the storage (default: search-<recipe>)"
     )
     cmp = add("compare", "compare runs or sweeps side by side from their local records (offline)")
     cmp.add_argument("paths", nargs="+", help="run folders, sweep folders, or folders of runs")

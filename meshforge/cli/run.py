@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshforge.configs import Recipe
-from meshforge.core.errors import RecipeError
+from meshforge.core.errors import Problem, RecipeError
 from meshforge.core.tables import wide
 
 console = Console(soft_wrap=True)
@@ -79,6 +79,25 @@ def run_loaded(recipe: Recipe, dry_run: bool = False) -> int:
 
         train(recipe)
     return 0
+
+
+def seed_repeats(recipe: Recipe, seeds: int) -> list[list[str]]:
+    """`--seeds K`: the overrides of each of the K runs repeating the recipe's point (none for one
+    run): model and data seeds +i, named <run_name>-seed<i>, all in one W&B group (the point)."""
+    if seeds < 1:
+        raise RecipeError([Problem("--seeds", seeds, "must be at least 1")], "command line")
+    if seeds == 1:
+        return [[]]
+    group = recipe.logging.wandb_group or recipe.run_name
+    return [
+        [
+            f"seed={recipe.seed + i}",
+            f"data.seed={recipe.data.seed + i}",
+            f"run_name={recipe.run_name}-seed{i}",
+            f"logging.wandb_group={group}",
+        ]
+        for i in range(seeds)
+    ]
 
 
 def _train_jax(recipe: Recipe, world: int, on_cpu: bool) -> None:

@@ -8,20 +8,36 @@ import os
 import signal
 import subprocess
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from meshforge.core.errors import Interrupted
 from meshforge.experiments.sweep_record import log_verdict
 
 
-def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
+def run_point(
+    cmd: list[str],
+    timeout: int,
+    log: Path,
+    watch: Callable[[], str | None] | None = None,
+    started: Callable[[int], None] | None = None,
+) -> tuple[str, str]:
     """Run one point in its own process group (a timeout kills everything it started); (status,
     error tail). A Ctrl-C or SIGTERM that stops the sweep stops the point too (`PassStop`), and the
-    sweep then stops, raising Interrupted."""
+    sweep then stops, raising Interrupted. `watch`, asked 4 times a second while the point runs,
+    returns why to stop it (a search's pruner) or None: the point is then stopped as a SIGTERM
+    stops a run (at the end of a step, its records closed) and its status is `stopped`. `started`
+    is told the point's pid (its launcher's) once it runs."""
     with open(log, "w") as f, PassStop() as stop:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         stop.started(proc)
+        if started is not None:
+            started(proc.pid)
         try:
+            reason = _wait(proc, timeout, watch)
+            if reason is not None:
+                os.kill(proc.pid, signal.SIGTERM)  # its launcher, which stops its ranks at a step
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             if stop.name is None:
@@ -33,11 +49,31 @@ def run_point(cmd: list[str], timeout: int, log: Path) -> tuple[str, str]:
         raise Interrupted(
             f"stopped by {stop.name}: its running point stopped too (exit code {rc}; its log: {log})"
         )
+    if reason is not None and rc != 0:  # (0: it ended on its own meanwhile)
+        return "stopped", reason
     if rc == 0:
         return "finished", ""
     message = log_verdict(log)
     oom = "out of memory" in message.lower() or "SIGKILL" in message
     return ("oom" if oom else "failed"), message
+
+
+def _wait(proc: subprocess.Popen, timeout: int, watch: Callable[[], str | None] | None) -> str | None:
+    """Wait for the point to end (TimeoutExpired after `timeout` s), or until `watch` gives a reason
+    to stop it (returned)."""
+    if watch is None:
+        proc.wait(timeout=timeout)
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+            return None
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+        if (reason := watch()) is not None:
+            return reason
 
 
 class PassStop:
