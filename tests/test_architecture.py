@@ -403,6 +403,7 @@ def test_no_ac_mode_string_is_compared_outside_its_policy(tmp_path):
 FLOORS = {
     "meshforge.run": ["rank", "data", "checkpoint", "observe", "train", "launch"],
     "meshforge.models": ["common", "*"],
+    "meshforge.experiments": ["search"],
 }
 
 

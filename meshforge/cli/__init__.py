@@ -20,6 +20,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from meshforge.cli.formats import cmd_export, cmd_import_config
 from meshforge.cli.parsers import parse_axes, run_parser, subcommand_parsers
 from meshforge.cli.run import run_loaded, seed_repeats
 from meshforge.configs import Recipe, embedded_recipes, recipe_to_toml, resolve_recipe_path
@@ -204,20 +205,6 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from meshforge.convert import export_checkpoint
-    from meshforge.core.files import output_folder
-    from meshforge.core.units import parse_bytes
-    from meshforge.run.checkpoint.dcp import resolve_load
-
-    path = resolve_load(args.checkpoint, Path(args.checkpoint))
-    shard = parse_bytes(args.max_shard_size) if args.max_shard_size else None
-    with output_folder(Path(args.out)) as folder:  # a refused export leaves nothing behind
-        out = export_checkpoint(path, folder, args.to, int(shard) if shard else None)
-    console.print(f"exported {path} -> {out}", highlight=False)
-    return 0
-
-
 def cmd_parity(args: argparse.Namespace) -> int:
     """Torch model vs its JAX twin on the same tokens: max |dlogit|, mean KL, top-1 agreement."""
     from meshforge.jax.parity import print_parity
@@ -272,36 +259,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     results = compare.parity(runs, args.baseline, args.tol)
     out.print(compare.parity_table(results, args.baseline, args.tol))
     return 0 if all(p["ok"] for p in results) else 1
-
-
-def cmd_import_config(args: argparse.Namespace) -> int:
-    """Another system's config -> a recipe; what did not carry over is printed and commented."""
-    from meshforge.migrate import ImportRefused, import_config
-
-    try:
-        imported = import_config(
-            Path(args.source), Path(args.out), args.world, args.model, args.base, args.allow_unmapped
-        )
-    except ImportRefused as e:
-        _print_import(e.imported)
-        raise
-    _print_import(imported)
-    console.print(f"recipe: {args.out}  (run it: run_recipe {args.out})", highlight=False)
-    return 0
-
-
-def _print_import(imported) -> None:
-    out = wide(console)
-    out.print(f"[bold]{imported.system}[/]: {len(imported.values)} recipe fields set")
-    for title, items in (
-        ("approximated", imported.notes),
-        ("not mapped (no effect on the math here)", [s.line() for s in imported.not_mapped]),
-        ("[red]unsupported[/]", [s.line() for s in imported.unsupported]),
-    ):
-        if items:
-            out.print(f"{title}:")
-            for item in items:
-                out.print(f"  - {item}", highlight=False, markup=False)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
