@@ -1,5 +1,5 @@
 """Hardware profiles (simulate/hardware.py): the shipped files, the TOML schema, collective
-pricing, and the calibration's fit (a real calibration of this machine runs in test_tune.py's
+pricing, and the calibration's fit (a real calibration of this machine runs in test_tune_command.py's
 tune fixture)."""
 
 from __future__ import annotations
