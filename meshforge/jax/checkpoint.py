@@ -1,7 +1,7 @@
 """One checkpoint format for both frameworks: a `backend = "jax"` run resumes a torch run's
 checkpoint (parameters, AdamW's moments and step, the LR schedule's position, the data position)
 and saves its own as the torch trainer does, so either framework continues the other on any mesh
-(tests/test_jax_resume.py measures steps 6-10 against the same run's own).
+(tests/interop/test_jax_resume.py measures steps 6-10 against the same run's own).
 
 A checkpoint is read as one process reads any DCP checkpoint (full tensors, whatever mesh saved
 it) and placed with the JAX run's NamedShardings; it is written from a one-process torch mirror

@@ -43,8 +43,8 @@ UNREAD_BY_SOURCE = {
 
 
 # the policy sections a mesh dimension of degree 1 leaves unread, every field of them (each field's
-# doc says so; tests/test_sweep_compare.py holds them to it): a sweep does not cross them with such
-# a mesh, which would run the same point again under another name
+# doc says so; tests/experiments/test_sweep_compare.py holds them to it): a sweep does not cross
+# them with such a mesh, which would run the same point again under another name
 UNREAD_AT_DEGREE_1 = {"pp": "pp.", "tp": "tp.", "cp": "cp."}
 
 

@@ -49,7 +49,7 @@ from meshforge.simulate.trace import FROM_START_PERIODS, trace_depths, trace_ran
 # A deep stage is traced at a shallow depth and one period deeper: memory grows by the same
 # amount with each further block (its parameters, gradients, moments and saved activations), so
 # the two traces give the slope and the real depth is extrapolated (checked against full traces
-# in tests/test_memory.py), at each place of the step on its own (trace.block_locator). At least
+# in tests/plan/test_memory.py), at each place of the step on its own (trace.block_locator). At least
 # 4 periods: the first two and the last two blocks differ from the rest (FSDP's prefetch of the
 # next block, the first block's gradient buckets), so each is traced at both depths.
 MIN_SHALLOW_PERIODS = 2 * FROM_START_PERIODS

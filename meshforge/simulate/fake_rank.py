@@ -96,7 +96,7 @@ def isolated_sharding_propagation() -> Iterator[None]:
     global-shape tensors no rank holds (llm_1b tp8: 10.78 GiB traced where a rank holds ~4.2).
     Here it runs with the trace's modes set aside, in a fake mode of its own (torch 2.13's private
     `_propagate_tensor_meta_non_cached`, which every propagation reaches under a fake mode: a
-    renamed one fails the trace, and tests/test_memory.py's tp test with it)."""
+    renamed one fails the trace, and tests/plan/test_memory.py's tp test with it)."""
     original = ShardingPropagator._propagate_tensor_meta_non_cached
     aside = FakeTensorMode()  # one for the trace: torch would make one per op (~5 ms each)
 

@@ -15,7 +15,7 @@ from .tp_plan import block_plan, top_level_plan
 __all__ = ["SPEC", "DeepseekV3Args", "DeepseekV3Transformer", "active_params", "check"]
 
 # Parameter counts, total and active per token, equal transformers' DeepseekV3ForCausalLM built on
-# the meta device from the same config (tests/test_deepseek_v3.py); MTP modules are not counted
+# the meta device from the same config (tests/models/test_deepseek_v3.py); MTP modules are not counted
 FLAVORS: dict[str, DeepseekV3Args] = {
     # tiny (235,648 parameters, 161,920 active): low-rank query, 8 experts in 4 groups (top-2 of
     # the best 2), 2 shared, layer 0 dense

@@ -1,7 +1,7 @@
 """DeepSeek-V3 in TorchTitan's style and module names: multi-head latent attention (MLA) and a
 mixture of experts with shared experts and sigmoid, group-limited routing (models/common/moe.py),
 the first `first_k_dense_replace` layers dense. Computes what transformers' DeepseekV3ForCausalLM
-computes (tests/test_deepseek_v3.py); pipeline- and meta-device friendly as models/common/decoder.py.
+computes (tests/models/test_deepseek_v3.py); pipeline- and meta-device friendly as models/common/decoder.py.
 
 MLA: the query is one projection (`wq`) or a low-rank one (`wq_a`, `q_norm`, `wq_b`); keys and
 values come from one compressed latent (`wkv_a` -> `kv_norm` -> `wkv_b`, per head: qk_nope_head_dim

@@ -14,7 +14,7 @@ from .tp_plan import block_plan, top_level_plan
 
 __all__ = ["SPEC", "Qwen3Args", "Qwen3Attention", "Qwen3Transformer", "check"]
 
-# Shapes of the published Qwen3 config.json files (parameter counts: tests/test_qwen3.py
+# Shapes of the published Qwen3 config.json files (parameter counts: tests/models/test_hf_checkpoints.py
 # checks ours against transformers' Qwen3ForCausalLM built from the same config)
 FLAVORS: dict[str, Qwen3Args] = {
     # tiny, untied, n_heads x head_dim != dim (as in the real flavors): CPU tests and parity

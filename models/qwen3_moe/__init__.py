@@ -14,7 +14,7 @@ from .model import Qwen3MoeArgs, Qwen3MoeTransformer
 from .tp_plan import block_plan, top_level_plan
 
 # Shapes of the published config.json files (parameter counts, total and active: checked against
-# transformers' Qwen3MoeForCausalLM built from the same config, tests/test_moe_hf.py)
+# transformers' Qwen3MoeForCausalLM built from the same config, tests/models/test_moe_hf.py)
 FLAVORS: dict[str, Qwen3MoeArgs] = {
     # tiny: 8 experts, top-2, layer 0 dense (both kinds of block in one model), untied
     "debug": Qwen3MoeArgs(
