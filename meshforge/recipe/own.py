@@ -16,6 +16,7 @@ from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import MESH_DIMS
 
 from .inert import check_inert
+from .optimizer import check_optimizer
 
 
 def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
@@ -28,7 +29,7 @@ def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
 
 def check(recipe: Recipe) -> list[Problem]:
     """Choices, ranges, data and evaluation settings, settings left unread (after `resolve`)."""
-    checks = (check_enums, check_ranges, check_data, check_eval, check_backend, check_inert)
+    checks = (check_enums, check_ranges, check_optimizer, check_data, check_eval, check_backend, check_inert)
     return [p for check_one in checks for p in check_one(recipe)]
 
 
@@ -50,7 +51,8 @@ def check_enums(r: Recipe) -> list[Problem]:
         "activation_checkpoint.mode": (r.activation_checkpoint.mode, AC_MODES),
         "data.source": (r.data.source, ("synthetic", "files", "hf")),
         "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
-        "optimizer.name": (r.optimizer.name, ("adamw",)),
+        "optimizer.muon.ns_dtype": (r.optimizer.muon.ns_dtype, ("bfloat16", "float32")),
+        "optimizer.muon.adjust_lr": (r.optimizer.muon.adjust_lr, ("original", "match_rms_adamw")),
         "optimizer.implementation": (r.optimizer.implementation, ("fused", "foreach", "for-loop")),
         "backend": (r.backend, ("torch", "jax")),
         "sweep.launcher": (r.sweep.launcher, ("auto", "local", "slurm")),

@@ -53,7 +53,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             part.train()
         # for-loop: foreach AdamW's batched temporaries would be counted all at once under fake tensors
         optimizers = [
-            build_optimizer(part.parameters(), recipe.optimizer, implementation="for-loop")
+            build_optimizer(part.named_parameters(), recipe.optimizer, implementation="for-loop")
             for part in pmodel.parts
         ]
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
@@ -153,8 +153,8 @@ def _price_the_runs_optimizer(traced: list, recipe: Recipe, recorder: CostRecord
     by `recorder` (fused AdamW: one kernel over every parameter, where the for-loop step traced
     for the memory dispatches ~12 ops per parameter: ~0.24 s of an H100 host's time on llm_8b at
     dp8-tp2, against the device's 15 ms). Its fallback is the run's to log, not each trace's."""
-    params = [[p for group in opt.param_groups for p in group["params"]] for opt in traced]
-    optimizers = [build_optimizer(ps, recipe.optimizer, quiet=True) for ps in params]
+    named = [[(opt.names[id(p)], p) for group in opt.param_groups for p in group["params"]] for opt in traced]
+    optimizers = [build_optimizer(ps, recipe.optimizer, quiet=True) for ps in named]
     _allocate_moments(optimizers)  # as the run's step 2 finds them, uncounted
     recorder.paused = False
     with recorder, torch.no_grad():

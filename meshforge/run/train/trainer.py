@@ -100,7 +100,9 @@ class Trainer(TrainingRun):
         check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, self.pp_group, self.tied)
 
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
-        self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
+        self.optimizers = [
+            build_optimizer(part.named_parameters(), r.optimizer) for part in self.pmodel.parts
+        ]
         self.schedulers = [build_lr_scheduler(opt, r.train.steps, r.lr_scheduler) for opt in self.optimizers]
         self.scaler = LossScaler(r.loss_scale, enabled=r.fsdp.param_dtype == "float16")
         self.budget = BadStepBudget(r.train.max_bad_steps)

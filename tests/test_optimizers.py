@@ -1,0 +1,186 @@
+"""The optimizer registry (meshforge.run.optimizers/): each optimizer against torch's own
+(or, for Lion, which torch lacks, against the paper's equations written here), the parameter
+groups, and the refusals of settings an optimizer does not read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshforge.configs import RecipeError
+from meshforge.configs.schema import OptimizerConfig
+from meshforge.recipe import load_recipe
+from meshforge.run.optimizers import OPTIMIZERS
+from meshforge.run.optimizers.muon import adamw_reason
+from meshforge.run.train.optim import build_optimizer, parameter_groups
+
+STEPS = 20
+
+
+def named_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
+    """A toy model's parameters as a transformer names them: an embedding, hidden matrices (one tall,
+    one wide), a norm, a bias, an output projection and a router."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "tok_embeddings.weight": (32, 16),
+        "layers.0.attention.wq.weight": (24, 16),
+        "layers.0.feed_forward.w2.weight": (16, 40),
+        "layers.0.attention_norm.weight": (16,),
+        "layers.0.feed_forward.w1.bias": (40,),
+        "layers.0.moe.router.gate.weight": (4, 16),
+        "output.weight": (32, 16),
+    }
+    return [(n, torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype))) for n, s in shapes.items()]
+
+
+def grads(params, step: int) -> None:
+    """The same pseudo-random gradients for every copy of the parameters, step by step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+
+def run(opt: torch.optim.Optimizer, params, steps: int = STEPS) -> list[torch.Tensor]:
+    for step in range(steps):
+        grads(params, step)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def assert_all_close(got, want, atol: float) -> None:
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+
+
+def test_registry_is_the_schemas_list_of_optimizers():
+    from meshforge.configs.training import OPTIMIZER_READS
+
+    assert list(OPTIMIZERS) == list(OPTIMIZER_READS) == ["adamw", "sgd", "lion", "muon"]
+
+
+def test_adamw_is_torchs_adamw_bit_for_bit():
+    cfg = OptimizerConfig(lr=1e-2)
+    ours, theirs = named_params(), named_params()
+    got = run(build_optimizer(ours, cfg), [p for _, p in ours])
+    ref = torch.optim.AdamW(
+        [p for _, p in theirs], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+    )
+    want = run(ref, [p for _, p in theirs])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_equals_torchs_sgd_over_20_steps(nesterov):
+    cfg = OptimizerConfig(name="sgd", lr=0.05, weight_decay=0.01)
+    cfg.sgd.momentum, cfg.sgd.nesterov = 0.9, nesterov
+    ours, theirs = named_params(), named_params()
+    got = run(build_optimizer(ours, cfg), [p for _, p in ours])
+    ref = torch.optim.SGD([p for _, p in theirs], lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=0.01)
+    assert_all_close(got, run(ref, [p for _, p in theirs]), atol=1e-6)
+    assert got[0].sub(named_params()[0][1]).abs().max() > 0.1  # it moved
+
+
+def lion_from_the_paper(params, lr, beta1, beta2, wd, steps: int) -> list[torch.Tensor]:
+    """Chen et al. 2023, Algorithm 2, line by line."""
+    theta = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(t) for t in theta]
+    for step in range(steps):
+        grads(params, step)
+        for i, p in enumerate(params):
+            g = p.grad
+            c = beta1 * m[i] + (1 - beta1) * g  # update interpolation
+            theta[i] = theta[i] - lr * (torch.sign(c) + wd * theta[i])  # update parameters
+            m[i] = beta2 * m[i] + (1 - beta2) * g  # update momentum
+    return theta
+
+
+def test_lion_equals_the_papers_update_over_20_steps():
+    """In float64: float32 rounds 1 - lr * wd, which the two forms of the decay meet differently."""
+    cfg = OptimizerConfig(name="lion", lr=1e-3, weight_decay=0.5)
+    ours, theirs = named_params(dtype=torch.float64), named_params(dtype=torch.float64)
+    got = run(build_optimizer(ours, cfg), [p for _, p in ours])
+    want = lion_from_the_paper([p for _, p in theirs], 1e-3, 0.9, 0.99, 0.5, STEPS)
+    assert_all_close(got, want, atol=1e-6)
+    assert all(len(s) == 1 for s in build_optimizer(ours, cfg).state.values())  # one state: the momentum
+
+
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_muon_equals_torchs_muon_on_matrices_and_adamw_elsewhere(adjust_lr):
+    """Hidden matrices step as torch.optim.Muon; the embedding, norm, bias, output and router as
+    torch.optim.AdamW at muon.adamw_lr."""
+    cfg = OptimizerConfig(name="muon", lr=0.02, weight_decay=0.1)
+    cfg.muon.adjust_lr, cfg.muon.adamw_lr = adjust_lr, 3e-3
+    ours, theirs = named_params(), named_params()
+    got = run(build_optimizer(ours, cfg), [p for _, p in ours])
+    matrices = [p for n, p in theirs if adamw_reason(n, p) is None]
+    assert len(matrices) == 2  # wq and w2, of the seven
+    others = [p for n, p in theirs if adamw_reason(n, p) is not None]
+    muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust_lr)
+    adamw = torch.optim.AdamW(others, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(STEPS):
+        grads([p for _, p in theirs], step)
+        muon.step()
+        adamw.step()
+    assert_all_close(got, [p for _, p in theirs], atol=1e-6)
+
+
+def test_muon_orthogonalises_each_expert_of_a_grouped_weight():
+    cfg = OptimizerConfig(name="muon", lr=0.02)
+    experts = torch.nn.Parameter(torch.randn(3, 8, 12))
+    alone = [torch.nn.Parameter(experts.detach()[i].clone()) for i in range(3)]
+    run(build_optimizer([("layers.1.moe.experts.w1", experts)], cfg), [experts], steps=3)
+    ref = torch.optim.Muon(alone, lr=0.02, weight_decay=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 + step)
+        grad = torch.randn((3, 8, 12), generator=g)
+        for i, p in enumerate(alone):
+            p.grad = grad[i].clone()
+        ref.step()
+    assert_all_close(list(experts.detach()), [p.detach() for p in alone], atol=1e-6)
+
+
+def test_parameter_groups_by_rule():
+    cfg = OptimizerConfig(lr=1e-3, weight_decay=0.1, no_decay=["norm", "bias", "embedding"])
+    cfg.lr_multipliers = {"embedding": 0.5}
+    groups = parameter_groups(named_params(), cfg)
+    got = {tuple(g["kinds"]): (g["weight_decay"], g["lr"], len(g["params"])) for g in groups}
+    assert got == {
+        ("embedding",): (0.0, 5e-4, 1),
+        ("matrix", "router", "output"): (0.1, 1e-3, 4),
+        ("norm", "bias"): (0.0, 1e-3, 2),
+    }
+    opt = build_optimizer(named_params(), cfg)
+    assert sorted((g["weight_decay"], g["lr"]) for g in opt.param_groups) == [
+        (0.0, 5e-4),
+        (0.0, 1e-3),
+        (0.1, 1e-3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["optimizer.name=moun"], "optimizer.name", "did you mean muon?"),
+        (["optimizer.name=lion", "optimizer.betas=[0.8,0.9]"], "optimizer.betas", "set optimizer.name=adamw"),
+        (["optimizer.name=sgd", "optimizer.muon.momentum=0.9"], "optimizer.muon.momentum", "read by muon"),
+        (["optimizer.lion.betas=[0.9,0.9]"], "optimizer.lion.betas", "set optimizer.name=lion"),
+        (
+            ["optimizer.name=sgd", "optimizer.sgd.momentum=0", "optimizer.sgd.nesterov=true"],
+            "nesterov",
+            "momentum > 0",
+        ),
+        (["optimizer.no_decay=[norms]"], "optimizer.no_decay", "kinds are embedding"),
+        (
+            ["optimizer.name=muon", "optimizer.muon.adjust_lr=rms"],
+            "optimizer.muon.adjust_lr",
+            "match_rms_adamw",
+        ),
+        (["optimizer.name=muon", "backend=jax"], "optimizer.name", "backend=jax trains with optax's adamw"),
+    ],
+)
+def test_refused_with_field_value_and_fix(overrides, field, words):
+    with pytest.raises(RecipeError) as err:
+        load_recipe("debug_cpu", overrides)
+    line = next(line for line in str(err.value).splitlines() if field in line)
+    assert words in line, line
