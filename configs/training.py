@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .fields import F
 
@@ -114,7 +114,13 @@ class LRSchedulerConfig:
         "linear", "how the lr rises in warmup: linear | log (DeepSpeed's default; needs convention=deepspeed)"
     )
     warmup_start: float = F(0.0, "the lr warmup starts from, as a fraction of the peak lr")
-    decay: str = F("cosine", "decay after warmup: cosine | linear | constant")
+    decay: str = F("cosine", "decay after warmup: cosine | linear | sqrt (1 - sqrt(progress)) | constant")
+    decay_ratio: Optional[float] = F(
+        None,
+        "warmup-stable-decay (TorchTitan's lr_scheduler.decay_ratio): decay over the last round(steps * "
+        "decay_ratio) steps (at most those after warmup), the lr at its peak before; null = decay from "
+        "the end of warmup (convention = torchtitan only)",
+    )
     min_lr_ratio: float = F(
         0.1, "final lr as a fraction of the peak lr; unread with decay = constant (the lr stays at its peak)"
     )

@@ -184,3 +184,38 @@ def test_refused_with_field_value_and_fix(overrides, field, words):
         load_recipe("debug_cpu", overrides)
     line = next(line for line in str(err.value).splitlines() if field in line)
     assert words in line, line
+
+
+@pytest.mark.parametrize("decay", ["linear", "sqrt", "cosine"])
+@pytest.mark.parametrize("steps, warmup, ratio", [(100, 10, 0.2), (37, 5, 0.5), (20, 3, 0.9), (50, 0, None)])
+def test_wsd_equals_torchtitans_own_schedule(decay, steps, warmup, ratio):
+    """lr per step against the function TorchTitan 0.3 builds (torchtitan/components/optimizer/
+    lr_scheduler.py, from the installed package); 0.9 of 20 steps overlaps warmup: TorchTitan cuts it."""
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    from meshforge.configs.schema import LRSchedulerConfig
+    from meshforge.run.train.optim import lr_multiplier
+
+    cfg = LRSchedulersContainer.Config(
+        warmup_steps=warmup, decay_ratio=ratio, decay_type=decay, min_lr_factor=0.1
+    )
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = cfg.build(optimizers=[opt], training_steps=steps).schedulers[0].lr_lambdas[0]
+    ours = LRSchedulerConfig(warmup_steps=warmup, decay=decay, decay_ratio=ratio, min_lr_ratio=0.1)
+    got = [lr_multiplier(s, steps, ours) for s in range(steps)]
+    assert got == pytest.approx([theirs(s) for s in range(steps)], abs=1e-12)
+    if ratio is not None:
+        assert got[steps - min(round(steps * ratio), steps - warmup) - 1] == 1.0  # the last stable step
+
+
+def test_torchtitan_job_file_with_decay_ratio_imports_as_wsd(tmp_path):
+    from meshforge.migrate import import_config
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        '[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nsteps = 100\n'
+        '[lr_scheduler]\nwarmup_steps = 10\ndecay_ratio = 0.2\ndecay_type = "sqrt"\nmin_lr_factor = 0.1\n'
+    )
+    import_config(job, tmp_path / "x.toml", 1)
+    text = (tmp_path / "x.toml").read_text()
+    assert "decay_ratio = 0.2" in text and 'decay = "sqrt"' in text

@@ -1,5 +1,6 @@
 """[optimizer]'s own rules: a known optimizer.name (did-you-mean), the chosen optimizer's ranges,
-and the kinds of parameter the group rules name. Settings of another optimizer are inert.py's."""
+and the kinds of parameter the group rules name (settings of another optimizer are inert.py's);
+the warmup-stable-decay settings of [lr_scheduler]."""
 
 from __future__ import annotations
 
@@ -90,4 +91,19 @@ def jax_problems(r: Recipe) -> list[Problem]:
                     f"backend=jax has one parameter group: set optimizer.{name}=[] or backend=torch",
                 )
             )
+    return problems
+
+
+def check_schedule(r: Recipe) -> list[Problem]:
+    """decay_ratio in [0, 1]; the sqrt decay and decay_ratio are TorchTitan's, not DeepSpeed's."""
+    s = r.lr_scheduler
+    problems = []
+    if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
+        problems.append(Problem("lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1], or null"))
+    if s.convention == "deepspeed":
+        fix = "DeepSpeed's schedules have no such setting: set lr_scheduler.convention=torchtitan, or"
+        if s.decay_ratio is not None:
+            problems.append(Problem("lr_scheduler.decay_ratio", s.decay_ratio, f"{fix} decay_ratio=null"))
+        if s.decay == "sqrt":
+            problems.append(Problem("lr_scheduler.decay", s.decay, f"{fix} decay=linear or cosine"))
     return problems

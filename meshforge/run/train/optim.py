@@ -67,17 +67,23 @@ def build_optimizer(
 
 def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
     """The lr of optimizer step `step` (from 0) as a fraction of the peak lr. TorchTitan's
-    convention: warmup to (step+1)/W, then cosine/linear decay to min_lr_ratio from step W."""
+    convention: warmup to (step+1)/W, then decay to min_lr_ratio from step W (with decay_ratio, from
+    step steps - round(steps * decay_ratio), the lr at its peak between)."""
     if cfg.convention == "deepspeed":
         return deepspeed_multiplier(step - 1, total, cfg)
     if step < cfg.warmup_steps:
         return cfg.warmup_start + (1 - cfg.warmup_start) * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    decay_steps = total - cfg.warmup_steps  # TorchTitan 0.3's linear_warmup_stable_decay, rearranged
+    if cfg.decay_ratio is not None:
+        decay_steps = min(round(total * cfg.decay_ratio), decay_steps)
+    progress = min(1.0, max(0.0, (step - (total - decay_steps)) / max(1, decay_steps)))
     floor = cfg.min_lr_ratio
     if cfg.decay == "cosine":
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     if cfg.decay == "linear":
         return 1 - (1 - floor) * progress
+    if cfg.decay == "sqrt":
+        return floor + (1 - floor) * (1 - math.sqrt(progress))
     return 1.0
 
 
