@@ -219,3 +219,23 @@ def test_torchtitan_job_file_with_decay_ratio_imports_as_wsd(tmp_path):
     import_config(job, tmp_path / "x.toml", 1)
     text = (tmp_path / "x.toml").read_text()
     assert "decay_ratio = 0.2" in text and 'decay = "sqrt"' in text
+
+
+@pytest.mark.parametrize("name, states", [("adamw", 2), ("sgd", 1), ("lion", 1), ("muon", None)])
+def test_estimated_optimizer_state_is_the_real_state(name, states):
+    """The analytic estimate's optimizer bytes against the state tensors a step leaves (debug llama3)."""
+    from meshforge.models import count_params, get_model_spec
+    from meshforge.run.rank.analytic import optimizer_states
+
+    spec = get_model_spec("llama3")
+    args = spec.flavors["debug"]
+    model = spec.build(args)
+    n = count_params(model)
+    opt = build_optimizer(model.named_parameters(), OptimizerConfig(name=name))
+    grads(list(model.parameters()), 0)
+    opt.step()
+    real = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.ndim > 0)
+    estimate = 4 * n * optimizer_states(OptimizerConfig(name=name), args, n)
+    assert estimate == pytest.approx(real, rel=0.01), (estimate, real)
+    if states is not None:
+        assert real == 4 * states * n
