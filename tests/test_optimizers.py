@@ -239,3 +239,34 @@ def test_estimated_optimizer_state_is_the_real_state(name, states):
     assert estimate == pytest.approx(real, rel=0.01), (estimate, real)
     if states is not None:
         assert real == 4 * states * n
+
+
+def test_a_muon_run_records_its_parameter_groups_in_run_json_and_wandb(tmp_path):
+    """One process, 3 steps, through the CLI: the groups in run.json and in W&B's offline config."""
+    import json
+
+    from conftest import RECIPES, cli_env, run_cli
+
+    from meshforge.run.observe import wandb_files as wf
+
+    args = [str(RECIPES / "debug_cpu.toml"), "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp=1", "train.steps=3"]
+    args += [
+        "optimizer.name=muon",
+        "optimizer.lr=0.02",
+        "optimizer.weight_decay=0.1",
+        "optimizer.no_decay=[norm,embedding]",
+    ]
+    args += [f"output_dir={tmp_path}", "run_name=m", "logging.wandb=true", "logging.wandb_mode=offline"]
+    proc = run_cli(args, cwd=tmp_path, env=cli_env(WANDB_MODE="offline"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "m" / "run.json").read_text())
+    groups = {tuple(g["kinds"]): g for g in info["optimizer_groups"]}
+    assert (
+        groups[("embedding", "norm")]["weight_decay"] == 0.0
+        and groups[("embedding", "norm")]["muon_tensors"] == 0
+    )
+    hidden = groups[("matrix", "output")]  # debug llama3: 4 layers x 7 matrices on Muon, output on AdamW
+    assert hidden["weight_decay"] == 0.1 and hidden["n_tensors"] == 29 and hidden["muon_tensors"] == 28
+    config = wf.config(wf.run_files(tmp_path / "m")[-1])
+    assert config["optimizer_groups"] == info["optimizer_groups"]
+    assert config["optimizer"]["name"] == "muon"

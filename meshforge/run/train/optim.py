@@ -11,6 +11,7 @@ import torch
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 from meshforge.run.optimizers import OPTIMIZERS
 from meshforge.run.optimizers.adamw import fused_unavailable, resolved_implementation
+from meshforge.run.optimizers.muon import adamw_reason
 
 __all__ = ["build_optimizer", "fused_unavailable", "resolved_implementation", "parameter_groups"]
 
@@ -43,11 +44,20 @@ def parameter_groups(named: list[tuple[str, torch.Tensor]], cfg: OptimizerConfig
 
 
 def group_summary(named: list[tuple[str, torch.Tensor]], cfg: OptimizerConfig) -> list[dict]:
-    """The parameter groups as run.json and W&B record them: kinds, weight decay, lr, parameters."""
-    return [
-        {"kinds": g["kinds"], "weight_decay": g["weight_decay"], "lr": g["lr"], "n_tensors": len(g["params"])}
-        for g in parameter_groups(named, cfg)
-    ]
+    """The parameter groups as run.json and W&B record them: the kinds of parameter, weight decay,
+    lr and tensor count of each (Muon: how many of them it orthogonalises; the rest take AdamW)."""
+    out = []
+    for g in parameter_groups(named, cfg):
+        row = {
+            "kinds": g["kinds"],
+            "weight_decay": g["weight_decay"],
+            "lr": g["lr"],
+            "n_tensors": len(g["params"]),
+        }
+        if cfg.name == "muon":
+            row["muon_tensors"] = sum(adamw_reason(n, p) is None for n, p in zip(g["names"], g["params"]))
+        out.append(row)
+    return out
 
 
 def build_optimizer(

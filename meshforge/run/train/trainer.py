@@ -50,7 +50,7 @@ from meshforge.run.train.guards import BadStepBudget
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.loss_scale import LossScaler, overflow_note
 from meshforge.run.train.moe_stats import MoEStats
-from meshforge.run.train.optim import build_lr_scheduler, build_optimizer
+from meshforge.run.train.optim import build_lr_scheduler, build_optimizer, group_summary
 from meshforge.run.train.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 
 
@@ -318,7 +318,11 @@ class Trainer(TrainingRun):
 
     def run_info(self) -> dict:
         device, layout = self.env.device.type, self.layout()
-        return run_info(self.recipe, self.dims, device, self.n_params, pipeline_layout=layout)
+        named = [np for part in self.pmodel.parts for np in part.named_parameters()]
+        groups = group_summary(named, self.recipe.optimizer)
+        return run_info(
+            self.recipe, self.dims, device, self.n_params, pipeline_layout=layout, optimizer_groups=groups
+        )
 
     def on_open(self, record: RunRecord, loggers: LoggerContainer) -> None:
         if self.schedule is not None:
