@@ -270,3 +270,22 @@ def test_a_muon_run_records_its_parameter_groups_in_run_json_and_wandb(tmp_path)
     config = wf.config(wf.run_files(tmp_path / "m")[-1])
     assert config["optimizer_groups"] == info["optimizer_groups"]
     assert config["optimizer"]["name"] == "muon"
+
+
+def test_traced_estimate_counts_each_optimizers_state_on_fsdp2_and_tp2():
+    """The traced estimate (a rank run under fake tensors) holds the state each optimizer's step
+    leaves: its optimizer bytes are the analytic states x 4 bytes x the rank's share of parameters."""
+    from meshforge.models import args_from_config, count_params, get_model_spec
+    from meshforge.run.rank.analytic import optimizer_states
+    from meshforge.simulate.estimate import trace_pool, traced_estimate
+
+    with trace_pool() as pool:
+        cases = [(name, ["mesh.dp_shard=2", "mesh.tp=1"]) for name in OPTIMIZERS]
+        for name, mesh in [*cases, ("muon", ["mesh.dp_shard=1", "mesh.tp=2"])]:
+            r = load_recipe("debug_cpu", [*mesh, "mesh.pp=1", f"optimizer.name={name}"])
+            args = args_from_config(r.model)
+            with torch.device("meta"):
+                n = count_params(get_model_spec(r.model.name).build(args))
+            want = 4 * optimizer_states(r.optimizer, args, n) * n / 2
+            got = traced_estimate(r, pool)["optimizer"]
+            assert got == pytest.approx(want, rel=0.01), (name, mesh, got, want)

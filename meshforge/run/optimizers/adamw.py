@@ -58,3 +58,12 @@ def build(
         fused=impl == "fused" or None,
         foreach=impl == "foreach" if impl != "fused" else None,
     )
+
+
+def steady_state(group: dict, p: torch.Tensor) -> dict:
+    """AdamW's step counter and its two moments."""
+    return {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }

@@ -36,7 +36,15 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
+OPTIMIZER = Lion
+
+
 def build(
     groups: list[dict], names: dict[int, str], cfg: OptimizerConfig, implementation=None, quiet: bool = False
 ) -> torch.optim.Optimizer:
     return Lion(groups, lr=cfg.lr, betas=cfg.lion.betas, weight_decay=cfg.weight_decay)
+
+
+def steady_state(group: dict, p: torch.Tensor) -> dict:
+    """Lion's one state: the momentum."""
+    return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}

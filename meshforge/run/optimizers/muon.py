@@ -140,6 +140,9 @@ class Muon(torch.optim.Optimizer):
         )  # fmt: skip
 
 
+OPTIMIZER = Muon
+
+
 def build(
     groups: list[dict], names: dict[int, str], cfg: OptimizerConfig, implementation=None, quiet: bool = False
 ) -> Muon:
@@ -183,3 +186,15 @@ def build(
         if not g["use_muon"]:
             g["eps"] = cfg.eps  # AdamW's epsilon, not Newton-Schulz's norm floor
     return Muon(split, defaults)
+
+
+def steady_state(group: dict, p: torch.Tensor) -> dict:
+    """A matrix's momentum buffer; AdamW's state for the rest."""
+    if group["use_muon"]:
+        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    step = torch.zeros((), device=p.device) if group["implementation"] == "fused" else torch.tensor(0.0)
+    return {
+        "step": step,
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
