@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 # words in a parameter's name that send it to AdamW, and why (Muon is for hidden matrices)
 TO_ADAMW = {
     "embed": "an embedding is a lookup table, not a linear map",
-    "output": "the output projection maps to the vocabulary (Muon's authors keep it on AdamW)",
-    "router": "a router's few rows steer tokens; orthogonalising them equalises the experts' scores",
+    "output": "the output projection maps to the vocabulary; Muon's authors keep it on AdamW",
+    "router": "a router's gate is kept on AdamW, as the embeddings and output are",
     "norm": "a norm's scale is a vector",
     "bias": "a bias is a vector",
 }
@@ -143,6 +143,16 @@ class Muon(torch.optim.Optimizer):
 OPTIMIZER = Muon
 
 
+def log_routing(groups: list[dict], names: dict[int, str]) -> None:
+    """One line: how many tensors Muon orthogonalises, and which go to AdamW, by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for p in (p for g in groups if not g["use_muon"] for p in g["params"]):
+        by_reason.setdefault(adamw_reason(names[id(p)], p), []).append(names[id(p)])
+    n_muon = sum(len(g["params"]) for g in groups if g["use_muon"])
+    to_adamw = "; ".join(f"{len(ns)} like {ns[0]} ({why})" for why, ns in by_reason.items())
+    log.info("optimizer.name = muon: %d matrices orthogonalised; to AdamW: %s", n_muon, to_adamw or "none")
+
+
 def build(
     groups: list[dict], names: dict[int, str], cfg: OptimizerConfig, implementation=None, quiet: bool = False
 ) -> Muon:
@@ -165,10 +175,7 @@ def build(
                 {**group, "params": others, "use_muon": False, "lr": adamw_lr, "implementation": impl}
             )
     if not quiet:
-        for p in (p for g in split if not g["use_muon"] for p in g["params"]):
-            log.info(
-                "optimizer.name = muon: %s goes to AdamW: %s", names[id(p)], adamw_reason(names[id(p)], p)
-            )
+        log_routing(split, names)
     defaults = dict(
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
