@@ -289,3 +289,34 @@ def test_traced_estimate_counts_each_optimizers_state_on_fsdp2_and_tp2():
             want = 4 * optimizer_states(r.optimizer, args, n) * n / 2
             got = traced_estimate(r, pool)["optimizer"]
             assert got == pytest.approx(want, rel=0.01), (name, mesh, got, want)
+
+
+@pytest.mark.slow
+def test_a_muon_checkpoint_from_fsdp2_resumes_on_one_process(tmp_path):
+    """Muon's state (momentum per matrix, AdamW's moments for the rest) saved by 2 FSDP ranks at
+    step 3 and resumed by one process: steps 4-6 as the uninterrupted run's (NS in float32)."""
+    import json
+
+    from conftest import QUICK, RECIPES, run_recipe
+
+    base = [str(RECIPES / "debug_cpu.toml"), *QUICK, "train.steps=6", "mesh.tp=1", "mesh.pp=1"]
+    base += [
+        "optimizer.name=muon",
+        "optimizer.lr=0.02",
+        "optimizer.muon.ns_dtype=float32",
+        f"output_dir={tmp_path}",
+    ]
+    saved = [*base, "mesh.dp_shard=2", "run_name=ck", "checkpoint.enabled=true", "checkpoint.interval=3"]
+    assert run_recipe(saved, cwd=tmp_path).returncode == 0
+    step3 = tmp_path / "ck" / "checkpoints" / "step-00000003"
+    resumed = [*base, "mesh.dp_shard=1", "run_name=res", f"checkpoint.load={step3}"]
+    proc = run_recipe(resumed, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def losses(name: str) -> dict[int, float]:
+        rows = map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    straight, res = losses("ck"), losses("res")
+    assert sorted(res) == [4, 5, 6]
+    assert all(abs(res[s] - straight[s]) < 1e-5 for s in res), (res, straight)
