@@ -294,7 +294,9 @@ def test_traced_estimate_counts_each_optimizers_state_on_fsdp2_and_tp2():
 @pytest.mark.slow
 def test_a_muon_checkpoint_from_fsdp2_resumes_on_one_process(tmp_path):
     """Muon's state (momentum per matrix, AdamW's moments for the rest) saved by 2 FSDP ranks at
-    step 3 and resumed by one process: steps 4-6 as the uninterrupted run's (NS in float32)."""
+    step 3 and resumed by one process: steps 4-6 as the uninterrupted run's (NS in float32). The
+    groups keep their own lr and weight decay (a resume had set the recipe's optimizer.lr and
+    weight_decay in every group: AdamW's half at Muon's lr)."""
     import json
 
     from conftest import QUICK, RECIPES, run_recipe
@@ -304,6 +306,9 @@ def test_a_muon_checkpoint_from_fsdp2_resumes_on_one_process(tmp_path):
         "optimizer.name=muon",
         "optimizer.lr=0.02",
         "optimizer.muon.ns_dtype=float32",
+        "optimizer.muon.adamw_lr=3e-3",
+        "optimizer.weight_decay=0.1",
+        "optimizer.no_decay=[norm]",
         f"output_dir={tmp_path}",
     ]
     saved = [*base, "mesh.dp_shard=2", "run_name=ck", "checkpoint.enabled=true", "checkpoint.interval=3"]
