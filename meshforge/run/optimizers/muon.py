@@ -119,6 +119,8 @@ class Muon(torch.optim.Optimizer):
                     exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
                     exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
                 )
+            if fused and state["step"].device != p.device:  # a loaded step stays on the host
+                state["step"] = state["step"].to(p.device, torch.float32)
             params.append(p)
             grads.append(p.grad)
             avgs.append(state["exp_avg"])
@@ -156,8 +158,8 @@ def log_routing(groups: list[dict], names: dict[int, str]) -> None:
 def build(
     groups: list[dict], names: dict[int, str], cfg: OptimizerConfig, implementation=None, quiet: bool = False
 ) -> Muon:
-    """Each group split in two: its hidden matrices (Muon) and the rest (AdamW at muon.adamw_lr,
-    each such parameter logged once with the reason)."""
+    """Each group split in two: its hidden matrices (Muon) and the rest (AdamW at muon.adamw_lr
+    times the group's lr multiplier), the split logged in one line (log_routing)."""
     m = cfg.muon
     split = []
     for group in groups:
