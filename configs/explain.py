@@ -20,8 +20,7 @@ def fields_help() -> str:
         if f.name not in secs:
             lines.append(f"  {f.name}: {f.metadata.get('doc', '')}")
     for sec, cls in secs.items():
-        for f in dataclasses.fields(cls):
-            lines.append(f"  {sec}.{f.name}: {f.metadata.get('doc', '')}")
+        lines += [f"  {name}: {doc}" for name, _, doc in _field_rows(sec, cls, "")]
     return "\n".join(lines)
 
 
@@ -37,13 +36,8 @@ def explain_table(target: str | None) -> Table:
     for name in names:
         sec, _, key = name.partition(".")
         if sec in secs:
-            fields = [f for f in dataclasses.fields(secs[sec]) if not key or f.name == key]
-            if not fields:
-                names = [f.name for f in dataclasses.fields(secs[sec])]
-                raise UsageError(f"{sec} has no field {key!r}; {_suggest(key, names, sec + '.')}")
-            for f in fields:
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                table.add_row(f"{sec}.{f.name}", repr(default), f.metadata.get("doc", ""))
+            for row in _field_rows(sec, secs[sec], key):
+                table.add_row(*row)
         else:
             try:
                 table.add_row(sec, "", field_doc(None, sec))
@@ -51,6 +45,24 @@ def explain_table(target: str | None) -> Table:
                 top = [f.name for f in dataclasses.fields(Recipe)]
                 raise UsageError(f"no recipe field or section {name!r}; {_suggest(sec, top)}") from None
     return table
+
+
+def _field_rows(prefix: str, cls, key: str) -> list[tuple[str, str, str]]:
+    """(field, default, doc) of `cls`'s fields named by `key` ("" = all; "muon.ns_steps" descends
+    into a sub-section), a sub-section's fields each on its own row."""
+    head, _, rest = key.partition(".")
+    fields = [f for f in dataclasses.fields(cls) if not head or f.name == head]
+    if not fields:
+        names = [f.name for f in dataclasses.fields(cls)]
+        raise UsageError(f"{prefix} has no field {head!r}; {_suggest(head, names, prefix + '.')}")
+    rows = []
+    for f in fields:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            rows += _field_rows(f"{prefix}.{f.name}", type(default), rest)
+        else:
+            rows.append((f"{prefix}.{f.name}", repr(default), f.metadata.get("doc", "")))
+    return rows
 
 
 def _suggest(name: str, choices: list[str], prefix: str = "") -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Optional
 
 from .fields import F
 
@@ -31,15 +31,80 @@ class TrainConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    name: str = F("adamw", "optimizer: adamw")
-    lr: float = F(3e-4, "peak learning rate")
-    betas: List[float] = F([0.9, 0.95], "AdamW betas")
-    eps: float = F(1e-8, "AdamW epsilon")
-    weight_decay: float = F(0.1, "decoupled weight decay")
-    implementation: str = F(
-        "fused", "fused (one kernel per step; foreach where a parameter cannot) | foreach | for-loop"
+class SGDConfig:
+    momentum: float = F(0.9, "SGD momentum (torch.optim.SGD's); 0 = plain SGD")
+    nesterov: bool = F(False, "Nesterov momentum (needs momentum > 0)")
+    dampening: float = F(0.0, "SGD dampening of the gradient added to the momentum")
+
+
+@dataclass
+class LionConfig:
+    betas: List[float] = F(
+        [0.9, 0.99],
+        "Lion's betas: beta1 interpolates the update's sign, beta2 the momentum (Chen et al. 2023)",
     )
+
+
+@dataclass
+class MuonConfig:
+    momentum: float = F(0.95, "Muon momentum (torch.optim.Muon's)")
+    nesterov: bool = F(True, "Nesterov momentum before orthogonalising")
+    ns_steps: int = F(5, "Newton-Schulz iterations")
+    ns_coefficients: List[float] = F(
+        [3.4445, -4.7750, 2.0315], "the quintic Newton-Schulz coefficients a, b, c"
+    )
+    eps: float = F(1e-7, "floor of the norm the update is divided by before Newton-Schulz")
+    ns_dtype: str = F(
+        "bfloat16", "dtype Newton-Schulz runs in: bfloat16 (torch.optim.Muon's, Keller Jordan's) | float32"
+    )
+    adjust_lr: str = F(
+        "original",
+        "lr of a matrix A x B: original (lr * sqrt(max(1, A/B)), Keller Jordan's) | match_rms_adamw "
+        "(lr * 0.2 * sqrt(max(A, B)), Moonlight's: AdamW's lr and weight decay carry over)",
+    )
+    adamw_lr: float = F(
+        0.0,
+        "lr of the parameters Muon leaves to AdamW (embeddings, norms, output, router, biases); "
+        "0 = optimizer.lr. AdamW's betas, eps and implementation come from [optimizer]",
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = F("adamw", "optimizer: adamw | sgd | lion | muon; each reads its own section below")
+    lr: float = F(3e-4, "peak learning rate")
+    betas: List[float] = F([0.9, 0.95], "AdamW betas (Muon's AdamW part reads them too)")
+    eps: float = F(1e-8, "AdamW epsilon (Muon's AdamW part reads it too)")
+    weight_decay: float = F(0.1, "decoupled weight decay (SGD: L2 added to the gradient, as torch.optim.SGD)")
+    implementation: str = F(
+        "fused",
+        "AdamW: fused (one kernel per step; foreach where a parameter cannot) | foreach | for-loop "
+        "(Muon's AdamW part reads it too)",
+    )
+    no_decay: List[str] = F(
+        [], "kinds of parameters without weight decay: any of embedding, output, router, norm, bias, matrix"
+    )
+    lr_multipliers: Dict[str, float] = F(
+        {}, "lr multiplier per kind of parameter, e.g. {embedding = 0.5}; kinds as in no_decay"
+    )
+    sgd: SGDConfig = F(SGDConfig(), "optimizer.name = sgd: torch.optim.SGD")
+    lion: LionConfig = F(LionConfig(), "optimizer.name = lion: the sign update of Chen et al. 2023")
+    muon: MuonConfig = F(
+        MuonConfig(),
+        "optimizer.name = muon: Newton-Schulz orthogonalised momentum on hidden matrices, AdamW elsewhere",
+    )
+
+
+# the kinds of parameter optimizer.no_decay and optimizer.lr_multipliers name (a "matrix" is a hidden one)
+PARAM_KINDS = ("embedding", "output", "router", "norm", "bias", "matrix")
+
+# the [optimizer] fields besides name/lr/weight_decay each optimizer reads; its own section is read too
+OPTIMIZER_READS = {
+    "adamw": ("betas", "eps", "implementation"),
+    "sgd": ("sgd",),
+    "lion": ("lion",),
+    "muon": ("betas", "eps", "implementation", "muon"),
+}
 
 
 @dataclass
@@ -49,7 +114,13 @@ class LRSchedulerConfig:
         "linear", "how the lr rises in warmup: linear | log (DeepSpeed's default; needs convention=deepspeed)"
     )
     warmup_start: float = F(0.0, "the lr warmup starts from, as a fraction of the peak lr")
-    decay: str = F("cosine", "decay after warmup: cosine | linear | constant")
+    decay: str = F("cosine", "decay after warmup: cosine | linear | sqrt (1 - sqrt(progress)) | constant")
+    decay_ratio: Optional[float] = F(
+        None,
+        "warmup-stable-decay (TorchTitan's lr_scheduler.decay_ratio): decay over the last round(steps * "
+        "decay_ratio) steps (at most those after warmup), the lr at its peak before; null = decay from "
+        "the end of warmup (convention = torchtitan only)",
+    )
     min_lr_ratio: float = F(
         0.1, "final lr as a fraction of the peak lr; unread with decay = constant (the lr stays at its peak)"
     )

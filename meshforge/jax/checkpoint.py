@@ -136,7 +136,7 @@ def torch_mirror(recipe: Recipe, model_args, params: dict, mu: dict, nu: dict, c
         for name, p in named.items():
             if name in params:  # a tied output weight is the embedding's
                 p.copy_(torch.from_numpy(np.array(params[name])))
-    opt = build_optimizer(model.parameters(), recipe.optimizer)
+    opt = build_optimizer(model.named_parameters(), recipe.optimizer)
     for group in opt.param_groups:
         group.update(lr=lr, initial_lr=recipe.optimizer.lr)  # what LambdaLR keeps in each group
     for name, p in named.items():

@@ -2,8 +2,9 @@
 
 An absent key means TorchTitan's default (warmup 200 steps, linear decay, weight decay 0.1,
 bf16 params under FSDP, selective AC of every 2nd block, ...), which the import writes out.
-TorchTitan's lr schedule with no `decay_ratio` is meshforge's exactly: (s+1)/W warmup, then
-decay over the remaining steps from the first step after warmup.
+TorchTitan's lr schedule is meshforge's exactly: (s+1)/W warmup, then decay (linear, sqrt,
+cosine) over the remaining steps from the first step after warmup, or with `decay_ratio` over
+the last round(steps * decay_ratio) of them (warmup-stable-decay).
 """
 
 from __future__ import annotations
@@ -296,19 +297,13 @@ def _optimizer_and_schedule(k: Keys, out: Imported) -> None:
     out.set("optimizer.implementation", k.take("optimizer.implementation", "fused"))
     out.set("lr_scheduler.warmup_steps", int(k.take("lr_scheduler.warmup_steps", 200)))
     decay = k.take("lr_scheduler.decay_type", "linear")
-    if decay not in ("linear", "cosine"):
-        out.refuse("lr_scheduler.decay_type", decay, "meshforge decays linearly or by cosine")
-    out.set("lr_scheduler.decay", decay if decay in ("linear", "cosine") else "linear")
+    if decay not in ("linear", "sqrt", "cosine"):
+        out.refuse("lr_scheduler.decay_type", decay, "TorchTitan decays by linear, sqrt or cosine")
+    out.set("lr_scheduler.decay", decay if decay in ("linear", "sqrt", "cosine") else "linear")
     out.set("lr_scheduler.min_lr_ratio", float(k.take("lr_scheduler.min_lr_factor", 0.0)))
-    ratio = k.take("lr_scheduler.decay_ratio", None)
+    ratio = k.take("lr_scheduler.decay_ratio", None)  # warmup-stable-decay, TorchTitan's arithmetic
     if ratio is not None:
-        steps, warmup = out.values["train.steps"], out.values["lr_scheduler.warmup_steps"]
-        if round(steps * ratio) < steps - warmup:  # a stable phase between warmup and decay (WSD)
-            out.refuse(
-                "lr_scheduler.decay_ratio",
-                ratio,
-                "a warmup-stable-decay schedule: meshforge decays right after warmup",
-            )
+        out.set("lr_scheduler.decay_ratio", float(ratio))
 
 
 def _checkpoint(k: Keys, out: Imported) -> None:

@@ -18,6 +18,7 @@ from pathlib import PurePath
 
 from meshforge.configs import Recipe
 from meshforge.configs.activation_checkpoint import READ_BY, ac_policy
+from meshforge.configs.training import OPTIMIZER_READS
 from meshforge.core.errors import Problem
 
 # a local file's suffix -> the HF datasets builder that reads it (one owner: the corpus reader uses it)
@@ -104,6 +105,7 @@ def check_inert(r: Recipe) -> list[Problem]:
             f"only float16 compute runs a loss scale (fsdp.param_dtype = {r.fsdp.param_dtype!r})",
             "set fsdp.param_dtype=float16",
         )
+    problems += unread_optimizer_settings(r)
     ac = r.activation_checkpoint
     for name, (mode, reads_none) in READ_BY.items():
         if not ac_policy(ac).reads(name):
@@ -111,4 +113,29 @@ def check_inert(r: Recipe) -> list[Problem]:
             problems += unread_problems(
                 "activation_checkpoint", ac, (name,), why, f"set activation_checkpoint.mode={mode}"
             )
+    return problems
+
+
+def unread_optimizer_settings(r: Recipe) -> list[Problem]:
+    """Settings of another optimizer than optimizer.name (AdamW's betas given to Lion, [optimizer.muon]
+    given to SGD): refused field by field, a section's fields by their own names."""
+    o = r.optimizer
+    if o.name not in OPTIMIZER_READS:  # an unknown name is check_optimizer's
+        return []
+    reads = OPTIMIZER_READS[o.name]
+    owners = {
+        f: [n for n, fs in OPTIMIZER_READS.items() if f in fs] for fs in OPTIMIZER_READS.values() for f in fs
+    }
+    problems = []
+    for field, readers in owners.items():
+        if field in reads:
+            continue
+        why = f"optimizer.name = {o.name!r} does not read it (read by {', '.join(readers)})"
+        fix = f"set optimizer.name={readers[0]}"
+        section = getattr(o, field)
+        if dataclasses.is_dataclass(section):
+            names = [f.name for f in dataclasses.fields(section)]
+            problems += unread_problems(f"optimizer.{field}", section, names, why, fix)
+        else:
+            problems += unread_problems("optimizer", o, (field,), why, fix)
     return problems

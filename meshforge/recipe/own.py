@@ -16,6 +16,7 @@ from meshforge.core.errors import Problem, nearest
 from meshforge.core.topology import MESH_DIMS
 
 from .inert import check_inert
+from .optimizer import check_optimizer, check_schedule
 
 
 def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
@@ -28,7 +29,16 @@ def resolve(recipe: Recipe, world_size: int | None) -> list[Problem]:
 
 def check(recipe: Recipe) -> list[Problem]:
     """Choices, ranges, data and evaluation settings, settings left unread (after `resolve`)."""
-    checks = (check_enums, check_ranges, check_data, check_eval, check_backend, check_inert)
+    checks = (
+        check_enums,
+        check_ranges,
+        check_optimizer,
+        check_schedule,
+        check_data,
+        check_eval,
+        check_backend,
+        check_inert,
+    )
     return [p for check_one in checks for p in check_one(recipe)]
 
 
@@ -44,13 +54,14 @@ def choice_problems(choices: dict[str, tuple[object, tuple]]) -> list[Problem]:
 def check_enums(r: Recipe) -> list[Problem]:
     choices = {
         "train.device": (r.train.device, ("auto", "cpu", "cuda")),
-        "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "constant")),
+        "lr_scheduler.decay": (r.lr_scheduler.decay, ("cosine", "linear", "sqrt", "constant")),
         "lr_scheduler.warmup_shape": (r.lr_scheduler.warmup_shape, ("linear", "log")),
         "lr_scheduler.convention": (r.lr_scheduler.convention, ("torchtitan", "deepspeed")),
         "activation_checkpoint.mode": (r.activation_checkpoint.mode, AC_MODES),
         "data.source": (r.data.source, ("synthetic", "files", "hf")),
         "data.text_sample_by": (r.data.text_sample_by, ("document", "paragraph", "line")),
-        "optimizer.name": (r.optimizer.name, ("adamw",)),
+        "optimizer.muon.ns_dtype": (r.optimizer.muon.ns_dtype, ("bfloat16", "float32")),
+        "optimizer.muon.adjust_lr": (r.optimizer.muon.adjust_lr, ("original", "match_rms_adamw")),
         "optimizer.implementation": (r.optimizer.implementation, ("fused", "foreach", "for-loop")),
         "backend": (r.backend, ("torch", "jax")),
         "sweep.launcher": (r.sweep.launcher, ("auto", "local", "slurm")),

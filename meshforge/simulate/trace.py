@@ -29,6 +29,7 @@ from meshforge.parallelisms.pp_actions import parse_action, pipeline_order
 from meshforge.parallelisms.tied import tie_across_stages
 from meshforge.run.observe.memory import LOGGED_FIGURES
 from meshforge.run.observe.memtrace import CATEGORIES, make_tracker, peak_categories, phase_peak_categories
+from meshforge.run.optimizers import steady_state
 from meshforge.run.rank.distributed import pick_device_type
 from meshforge.run.train.optim import build_optimizer
 from meshforge.run.train.step import StepPolicy, clip_grad_norm, cross_entropy_sum
@@ -53,7 +54,7 @@ def trace_rank(recipe: Recipe, rank: int, work: bool = True) -> dict:
             part.train()
         # for-loop: foreach AdamW's batched temporaries would be counted all at once under fake tensors
         optimizers = [
-            build_optimizer(part.parameters(), recipe.optimizer, implementation="for-loop")
+            build_optimizer(part.named_parameters(), recipe.optimizer, implementation="for-loop")
             for part in pmodel.parts
         ]
         actions, stages = _rank_actions(recipe, dims, meshes, pmodel, rank)
@@ -153,8 +154,8 @@ def _price_the_runs_optimizer(traced: list, recipe: Recipe, recorder: CostRecord
     by `recorder` (fused AdamW: one kernel over every parameter, where the for-loop step traced
     for the memory dispatches ~12 ops per parameter: ~0.24 s of an H100 host's time on llm_8b at
     dp8-tp2, against the device's 15 ms). Its fallback is the run's to log, not each trace's."""
-    params = [[p for group in opt.param_groups for p in group["params"]] for opt in traced]
-    optimizers = [build_optimizer(ps, recipe.optimizer, quiet=True) for ps in params]
+    named = [[(opt.names[id(p)], p) for group in opt.param_groups for p in group["params"]] for opt in traced]
+    optimizers = [build_optimizer(ps, recipe.optimizer, quiet=True) for ps in named]
     _allocate_moments(optimizers)  # as the run's step 2 finds them, uncounted
     recorder.paused = False
     with recorder, torch.no_grad():
@@ -265,18 +266,14 @@ def _count_hooked_units(recorder: CostRecorder, pmodel, actions: list[tuple[int,
 
 
 def _allocate_moments(optimizers: list[torch.optim.Optimizer]) -> None:
-    """AdamW's state as its first step creates it (a step counter and two moments shaped like
-    each parameter), so the traced step is a steady-state one. Made directly: running a step
-    on zero gradients cost ~1.3 s per 8B trace under fake DTensors; a changed state layout
-    fails the traced step loudly (AdamW reads these keys)."""
+    """The optimizer's state as its first step creates it (AdamW: a step counter and two moments
+    shaped like each parameter; SGD, Lion: one; Muon: one per matrix), so the traced step is a
+    steady-state one. Made directly: running a step on zero gradients cost ~1.3 s per 8B trace
+    under fake DTensors; a changed state layout fails the traced step loudly (the step reads these keys)."""
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                opt.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
+                opt.state[p] = steady_state(opt, group, p)
 
 
 def stage_boundary(recipe: Recipe, dims) -> tuple[tuple[int, int, int], torch.dtype]:

@@ -97,18 +97,17 @@ def test_torchtitan_refusals(tmp_path):
     job.write_text(
         '[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["mx"]\n'
         "[training]\nsteps = 100\n[parallelism]\nexpert_parallel_degree = 2\n"
-        '[lr_scheduler]\nwarmup_steps = 10\ndecay_ratio = 0.5\ndecay_type = "sqrt"\n[made_up]\nkey = 1\n'
+        '[lr_scheduler]\nwarmup_steps = 10\ndecay_ratio = 0.5\ndecay_type = "step"\n[made_up]\nkey = 1\n'
     )
     with pytest.raises(ImportRefused) as e:
         import_config(job, tmp_path / "x.toml", 8)
     why = {s.key: s.why for s in e.value.imported.unsupported}
     assert set(why) == {
         "model.converters",
-        "lr_scheduler.decay_ratio",
         "lr_scheduler.decay_type",
         "made_up.key",
     }
-    assert "warmup-stable-decay" in why["lr_scheduler.decay_ratio"]
+    assert "linear, sqrt or cosine" in why["lr_scheduler.decay_type"]  # decay_ratio imports (WSD)
     # expert parallel of a dense model: TorchTitan builds the mesh and nothing uses it
     inert = {s.key: s.why for s in e.value.imported.not_mapped}
     assert "the model has no experts" in inert["parallelism.expert_parallel_degree"]

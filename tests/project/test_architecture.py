@@ -401,7 +401,7 @@ def test_no_ac_mode_string_is_compared_outside_its_policy(tmp_path):
 # "*" is every sub-folder not named, one floor: models' families sit on common/ and may build on
 # one another (qwen3_moe on qwen3), so adding a family adds no line here.
 FLOORS = {
-    "meshforge.run": ["rank", "data", "checkpoint", "observe", "train", "launch"],
+    "meshforge.run": ["rank", "data", "checkpoint", "observe", "optimizers", "train", "launch"],
     "meshforge.models": ["common", "*"],
     "meshforge.experiments": ["search"],
 }

@@ -38,7 +38,7 @@ from meshforge.run.checkpoint.state import (
     ModelState,
     OptimizerState,
     apply_optimizer_settings,
-    implementation_flags,
+    built_settings,
     optimizer_changes,
     say_optimizer_changes,
 )
@@ -235,12 +235,12 @@ class Checkpointer:
         if path is not None:
             meta = read_meta(path)
             changes = optimizer_changes(meta["recipe"].get("optimizer", {}), optimizer)  # before loading
-            built = implementation_flags(schedulers)  # loading restores the saving run's: this mesh's hold
+            built = built_settings(schedulers)  # loading restores the saving run's: this run's hold
             dcp_load(self.state, path)
             loader.restore_from(meta)
             for sched in schedulers:
                 sched.load_state_dict(meta["lr_scheduler"])
-            apply_optimizer_settings(schedulers, optimizer, built)
+            apply_optimizer_settings(schedulers, built)
             if self.is_main:
                 say_optimizer_changes(changes)
             if scaler.enabled and meta.get("loss_scale"):  # an fp32/bf16 checkpoint has none

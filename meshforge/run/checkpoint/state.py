@@ -4,6 +4,7 @@ once, under the embedding's name, whichever parts hold it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
@@ -87,9 +88,8 @@ class OptimizerState(Stateful):
             set_optimizer_state_dict(part, opt, {k: state[stored(k)] for k in own}, options=OPTIM_OPTIONS)
 
 
-# AdamW's settings a checkpoint's param groups carry (torch's load_state_dict restores them): a
-# resumed run takes the recipe's instead, so the recipe it runs is the one it trains with
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+# [optimizer] fields a resumed run takes from the recipe unsaid: how the step runs, not what it computes
+UNREPORTED = ("name", "implementation")
 
 
 def optimizer_changes(saved: dict, cfg: OptimizerConfig) -> list[str]:
@@ -106,22 +106,32 @@ def optimizer_changes(saved: dict, cfg: OptimizerConfig) -> list[str]:
     def plain(v):  # betas: a list in the recipe, a list in meta.json's
         return list(v) if isinstance(v, (list, tuple)) else v
 
+    now = flat_fields(dataclasses.asdict(cfg))
     return [
-        f"optimizer.{k}: {saved[k]!r} -> {plain(getattr(cfg, k))!r}"
-        for k in HYPERPARAMETERS
-        if k in saved and plain(saved[k]) != plain(getattr(cfg, k))
+        f"optimizer.{k}: {v!r} -> {plain(now[k])!r}"
+        for k, v in flat_fields(saved).items()
+        if k in now and k not in UNREPORTED and plain(v) != plain(now[k])
     ]
 
 
-# how AdamW runs (fused, foreach, ...): chosen for this mesh's parameters when it was built (fused
-# and foreach cannot mix DTensors and plain tensors); a loaded state carries the saving run's
-IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+def flat_fields(section: dict, prefix: str = "") -> dict:
+    """{"muon.momentum": 0.95, ...}: a section's fields, its sub-sections' by dotted name."""
+    out = {}
+    for k, v in section.items():
+        if isinstance(v, dict) and k != "lr_multipliers":  # a sub-section, not a field holding a table
+            out.update(flat_fields(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
-def implementation_flags(schedulers: list) -> list[list[dict]]:
-    """Each optimizer's param groups' implementation flags, as built (before a checkpoint loads)."""
+def built_settings(schedulers: list) -> list[list[dict]]:
+    """Each optimizer's param groups' settings as this run built them (before a checkpoint loads):
+    the recipe's, per group (a group's own lr and weight decay, Muon's AdamW half), and the
+    implementation chosen for this mesh's parameters (fused and foreach cannot mix DTensors and
+    plain tensors). Loading restores the saving run's; apply_optimizer_settings puts these back."""
     return [
-        [{k: g[k] for k in IMPLEMENTATION if k in g} for g in s.optimizer.param_groups] for s in schedulers
+        [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups] for s in schedulers
     ]
 
 
@@ -131,19 +141,12 @@ def say_optimizer_changes(changes: list[str]) -> None:
         log.warning("resumed with the recipe's optimizer settings (moments kept): %s", "; ".join(changes))
 
 
-def apply_optimizer_settings(schedulers: list, cfg: OptimizerConfig, built: list[list[dict]]) -> None:
-    """After a checkpoint's optimizer and LR schedule loaded: the recipe's lr, betas, eps and
-    weight decay in every param group, the lr where the schedule stands (bit-equal to the saved
-    one when nothing changed), and the implementation this run built (`built`)."""
-    for sched, flags in zip(schedulers, built):
-        sched.base_lrs = [cfg.lr] * len(sched.base_lrs)
-        for group, multiplier, own in zip(sched.optimizer.param_groups, sched.lr_lambdas, flags):
-            group.update(
-                **own,
-                initial_lr=cfg.lr,
-                lr=cfg.lr * multiplier(sched.last_epoch),
-                betas=tuple(cfg.betas),
-                eps=cfg.eps,
-                weight_decay=cfg.weight_decay,
-            )
+def apply_optimizer_settings(schedulers: list, built: list[list[dict]]) -> None:
+    """After a checkpoint's optimizer and LR schedule loaded: every param group's settings as this
+    run built them from the recipe (`built_settings`), its lr where the schedule stands (bit-equal
+    to the saved one when nothing changed)."""
+    for sched, groups in zip(schedulers, built):
+        sched.base_lrs = [g["initial_lr"] for g in groups]
+        for group, multiplier, own in zip(sched.optimizer.param_groups, sched.lr_lambdas, groups):
+            group.update({**own, "lr": own["initial_lr"] * multiplier(sched.last_epoch)})
         sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]

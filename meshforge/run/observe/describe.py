@@ -160,6 +160,8 @@ def open_run(
     (run_dir / "recipe.toml").write_text(toml)
     resumed_step = resumed["step"] if resumed else None
     config = logger_config(recipe, dims)
+    if "optimizer_groups" in info:  # the parameter groups the optimizer was built with (torch runs)
+        config["optimizer_groups"] = info["optimizer_groups"]
     loggers = build_loggers(
         recipe.logging,
         run_dir,

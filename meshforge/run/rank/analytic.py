@@ -7,28 +7,41 @@ sits above `run` because it drives the run's own step."""
 from __future__ import annotations
 
 from meshforge.configs import Recipe, ac_policy
+from meshforge.configs.schema import OptimizerConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models.common.moe import has_experts
 from meshforge.parallelisms.fsdp import DTYPES
 
 
-def state_bytes(n_params: int, dims: ParallelDims, experts: int = 0) -> float:
-    """fp32 parameters, gradients and AdamW's two moments (16 bytes a parameter), sharded over
+def optimizer_states(cfg: OptimizerConfig, args, n_params: int) -> float:
+    """fp32 optimizer states per parameter: AdamW 2 (its moments), SGD 1 (momentum; 0 without),
+    Lion 1, Muon 1 on hidden matrices and AdamW's 2 on embeddings and output (norms, router and
+    biases, a rounding error, counted as matrices)."""
+    if cfg.name == "muon":
+        tables = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+        return 1 + tables / n_params
+    return {"adamw": 2.0, "sgd": 1.0 if cfg.sgd.momentum > 0 else 0.0, "lion": 1.0}[cfg.name]
+
+
+def state_bytes(n_params: int, dims: ParallelDims, experts: int = 0, states: float = 2.0) -> float:
+    """fp32 parameters, gradients and `states` optimizer states (AdamW: 2, 16 bytes a parameter), sharded over
     dp_shard x cp x tp x pp (FSDP shards over dp_shard x cp); replicas (dp_replicate) hold full copies.
     `experts` of them (a MoE's expert weights) are not split over tp: every tp rank holds its
     dp_shard x cp (ep x FSDP) share of them whole."""
     dense = n_params - experts
-    return 16 * (dense / (dims.fsdp_shard * dims.tp * dims.pp) + experts / (dims.fsdp_shard * dims.pp))
+    return (8 + 4 * states) * (
+        dense / (dims.fsdp_shard * dims.tp * dims.pp) + experts / (dims.fsdp_shard * dims.pp)
+    )
 
 
 def placed_state_bytes(
-    n_params: int, dims: ParallelDims, cpu_offload: bool, experts: int = 0
+    n_params: int, dims: ParallelDims, cpu_offload: bool, experts: int = 0, states: float = 2.0
 ) -> tuple[float, float]:
     """(on the device, on the host) of `state_bytes`: FSDP's CPU offload keeps the sharded
     parameters, gradients and optimizer state on the host, so the device holds none of them
     (only the gathered compute copies, counted with activations as without offload)."""
-    states = state_bytes(n_params, dims, experts)
-    return (0.0, states) if cpu_offload else (states, 0.0)
+    held = state_bytes(n_params, dims, experts, states)
+    return (0.0, held) if cpu_offload else (held, 0.0)
 
 
 def activation_bytes(r: Recipe, args, dims: ParallelDims) -> float:

@@ -14,7 +14,7 @@ from meshforge.core.units import GiB
 from meshforge.models import args_from_config, count_params, get_model_spec
 from meshforge.models.common.moe import expert_params, has_experts, unpicked_params
 from meshforge.parallelisms.pp import stage_layout
-from meshforge.run.rank.analytic import activation_bytes, placed_state_bytes
+from meshforge.run.rank.analytic import activation_bytes, optimizer_states, placed_state_bytes
 from meshforge.run.rank.env import host_memory_bytes
 
 
@@ -119,7 +119,10 @@ def make_plan(r: Recipe) -> Plan:
         n_params = count_params(get_model_spec(r.model.name).build(args))
     dims = ParallelDims.from_config(r.mesh)
     layout = stage_layout(args.n_layers, dims.pp * r.pp.stages_per_rank, r.pp) if dims.pp_enabled else None
-    device_states, host_states = placed_state_bytes(n_params, dims, r.fsdp.cpu_offload, expert_params(args))
+    states = optimizer_states(r.optimizer, args, n_params)
+    device_states, host_states = placed_state_bytes(
+        n_params, dims, r.fsdp.cpu_offload, expert_params(args), states
+    )
     return Plan(
         n_params=n_params,
         args=args,

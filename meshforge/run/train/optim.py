@@ -1,75 +1,99 @@
-"""The optimizer and the learning-rate schedule, from their own recipe sections."""
+"""The optimizer (meshforge/run/optimizers/, one file each) over the parameter groups [optimizer] asks for,
+and the learning-rate schedule, from their own recipe sections."""
 
 from __future__ import annotations
 
-import logging
 import math
+from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
+from meshforge.run.optimizers import OPTIMIZERS
+from meshforge.run.optimizers.adamw import fused_unavailable, resolved_implementation
+from meshforge.run.optimizers.muon import adamw_reason
 
-log = logging.getLogger(__name__)
+__all__ = ["build_optimizer", "fused_unavailable", "resolved_implementation", "parameter_groups"]
 
-
-def fused_unavailable(params: list[torch.Tensor]) -> str | None:
-    """Why torch's fused AdamW cannot take these parameters (None: it can). DTensors are
-    fine (the kernel runs on their local shards), but not mixed with plain tensors in one call."""
-    supported = _get_fused_kernels_supported_devices()
-    if len({isinstance(p, DTensor) for p in params}) > 1:
-        return "DTensor and plain parameters mixed (e.g. TP without sequence parallel leaves the norms plain)"
-    for p in params:
-        if p.device.type not in supported:
-            return f"no fused AdamW kernel for {p.device.type} tensors (torch has one for {supported})"
-        if not torch.is_floating_point(p):
-            return f"a {p.dtype} parameter (fused AdamW takes floating-point tensors)"
-    return None
+# a parameter's kind, by the first word of its name found here (else a hidden "matrix")
+KINDS = {"embed": "embedding", "output": "output", "router": "router", "norm": "norm", "bias": "bias"}
 
 
-def resolved_implementation(params: list[torch.Tensor], asked: str) -> tuple[str, str | None]:
-    """The AdamW implementation a run steps these parameters with, and why it is not the one
-    asked (None: it is): fused where torch's kernel takes them, else foreach, else for-loop."""
-    if asked == "fused" and (why := fused_unavailable(params)):
-        # foreach cannot mix DTensors and plain tensors in one list either
-        return ("for-loop" if why.startswith("DTensor and plain") else "foreach"), why
-    return asked, None
+def param_kind(name: str) -> str:
+    """embedding | output | router | norm | bias | matrix: what optimizer.no_decay and
+    optimizer.lr_multipliers name."""
+    return next((kind for word, kind in KINDS.items() if word in name.lower()), "matrix")
+
+
+def parameter_groups(named: list[tuple[str, torch.Tensor]], cfg: OptimizerConfig) -> list[dict]:
+    """The parameters grouped by (weight decay, lr) under optimizer.no_decay and
+    optimizer.lr_multipliers, in first-seen order; each group keeps its parameters' names and kinds."""
+    groups: dict[tuple[float, float], dict] = {}
+    for name, p in named:
+        kind = param_kind(name)
+        wd = 0.0 if kind in cfg.no_decay else cfg.weight_decay
+        lr = cfg.lr * cfg.lr_multipliers.get(kind, 1.0)
+        g = groups.setdefault(
+            (wd, lr), {"params": [], "weight_decay": wd, "lr": lr, "names": [], "kinds": []}
+        )
+        g["params"].append(p)
+        g["names"].append(name)
+        if kind not in g["kinds"]:
+            g["kinds"].append(kind)
+    return list(groups.values())
+
+
+def group_summary(named: list[tuple[str, torch.Tensor]], cfg: OptimizerConfig) -> list[dict]:
+    """The parameter groups as run.json and W&B record them: the kinds of parameter, weight decay,
+    lr and tensor count of each (Muon: how many of them it orthogonalises; the rest take AdamW)."""
+    out = []
+    for g in parameter_groups(named, cfg):
+        row = {
+            "kinds": g["kinds"],
+            "weight_decay": g["weight_decay"],
+            "lr": g["lr"],
+            "n_tensors": len(g["params"]),
+        }
+        if cfg.name == "muon":
+            row["muon_tensors"] = sum(adamw_reason(n, p) is None for n, p in zip(g["names"], g["params"]))
+        out.append(row)
+    return out
 
 
 def build_optimizer(
-    params, cfg: OptimizerConfig, implementation: str | None = None, quiet: bool = False
+    params: Iterable, cfg: OptimizerConfig, implementation: str | None = None, quiet: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW as the recipe asks: `fused` (TorchTitan's default: one kernel per step, on CPU
-    as on CUDA), falling back, with the reason logged (unless `quiet`), where it cannot run."""
-    params = list(params)
-    impl, why = resolved_implementation(params, implementation or cfg.implementation)
-    if why and not quiet:
-        log.warning("optimizer.implementation = fused: %s; using %s", why, impl)
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        fused=impl == "fused" or None,
-        foreach=impl == "foreach" if impl != "fused" else None,
-    )
+    """optimizer.name's optimizer over `params`: (name, parameter) pairs (a module's
+    named_parameters(); Muon and the groups read the names), or bare parameters, named by position."""
+    named = [p if isinstance(p, tuple) else (f"param{i}", p) for i, p in enumerate(params)]
+    groups = parameter_groups(named, cfg)
+    names = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
+    for g in groups:
+        del g["names"], g["kinds"]
+    opt = OPTIMIZERS[cfg.name](groups, names, cfg, implementation, quiet)
+    opt.names = names  # id(parameter) -> name: the estimator rebuilds the run's optimizer from these
+    return opt
 
 
 def lr_multiplier(step: int, total: int, cfg: LRSchedulerConfig) -> float:
     """The lr of optimizer step `step` (from 0) as a fraction of the peak lr. TorchTitan's
-    convention: warmup to (step+1)/W, then cosine/linear decay to min_lr_ratio from step W."""
+    convention: warmup to (step+1)/W, then decay to min_lr_ratio from step W (with decay_ratio, from
+    step steps - round(steps * decay_ratio), the lr at its peak between)."""
     if cfg.convention == "deepspeed":
         return deepspeed_multiplier(step - 1, total, cfg)
     if step < cfg.warmup_steps:
         return cfg.warmup_start + (1 - cfg.warmup_start) * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    decay_steps = total - cfg.warmup_steps  # TorchTitan 0.3's linear_warmup_stable_decay, rearranged
+    if cfg.decay_ratio is not None:
+        decay_steps = min(round(total * cfg.decay_ratio), decay_steps)
+    progress = min(1.0, max(0.0, (step - (total - decay_steps)) / max(1, decay_steps)))
     floor = cfg.min_lr_ratio
     if cfg.decay == "cosine":
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     if cfg.decay == "linear":
         return 1 - (1 - floor) * progress
+    if cfg.decay == "sqrt":
+        return floor + (1 - floor) * (1 - math.sqrt(progress))
     return 1.0
 
 

@@ -50,7 +50,7 @@ from meshforge.run.train.guards import BadStepBudget
 from meshforge.run.train.lifecycle import StepResult, TrainingRun
 from meshforge.run.train.loss_scale import LossScaler, overflow_note
 from meshforge.run.train.moe_stats import MoEStats
-from meshforge.run.train.optim import build_lr_scheduler, build_optimizer
+from meshforge.run.train.optim import build_lr_scheduler, build_optimizer, group_summary
 from meshforge.run.train.step import IGNORE_INDEX, StepPolicy, clip_grad_norm
 
 
@@ -100,7 +100,9 @@ class Trainer(TrainingRun):
         check_parameter_count(self.pmodel.parts, self.n_params, self.env.device, self.pp_group, self.tied)
 
         # one optimizer per model part, so checkpoints key optimizer state by FQN per stage
-        self.optimizers = [build_optimizer(part.parameters(), r.optimizer) for part in self.pmodel.parts]
+        self.optimizers = [
+            build_optimizer(part.named_parameters(), r.optimizer) for part in self.pmodel.parts
+        ]
         self.schedulers = [build_lr_scheduler(opt, r.train.steps, r.lr_scheduler) for opt in self.optimizers]
         self.scaler = LossScaler(r.loss_scale, enabled=r.fsdp.param_dtype == "float16")
         self.budget = BadStepBudget(r.train.max_bad_steps)
@@ -316,7 +318,11 @@ class Trainer(TrainingRun):
 
     def run_info(self) -> dict:
         device, layout = self.env.device.type, self.layout()
-        return run_info(self.recipe, self.dims, device, self.n_params, pipeline_layout=layout)
+        named = [np for part in self.pmodel.parts for np in part.named_parameters()]
+        groups = group_summary(named, self.recipe.optimizer)
+        return run_info(
+            self.recipe, self.dims, device, self.n_params, pipeline_layout=layout, optimizer_groups=groups
+        )
 
     def on_open(self, record: RunRecord, loggers: LoggerContainer) -> None:
         if self.schedule is not None:
