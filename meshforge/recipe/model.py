@@ -11,7 +11,7 @@ from meshforge.configs import Problem, Recipe, ac_policy
 from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig
 from meshforge.core.topology import ParallelDims
 from meshforge.models import MODELS, args_from_config, family_of_hf, get_model_spec, unknown_overrides
-from meshforge.models.common.moe import has_experts
+from meshforge.models.common.moe import Balancing, has_experts
 from meshforge.parallelisms.cp import ATTENTION, shape_problems
 from meshforge.parallelisms.ep import check_ep
 
@@ -141,11 +141,7 @@ def check_experts(r: Recipe, args, dims: ParallelDims) -> list[Problem]:
         problems.append(
             Problem("backend", "jax", "mixture-of-experts training is torch-only for now: backend=torch")
         )
-    unread = {
-        "aux_free": ("router_aux_loss_coef", "has no loss term"),
-        "aux_loss": ("bias_update_rate", "moves no bias"),
-    }
-    name, why = unread.get(args.load_balance, (None, ""))
+    name, why = Balancing(args.load_balance).unread_setting() or (None, "")
     if name is not None and getattr(m, name) is not None:
         problems.append(
             Problem(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,35 @@ from meshforge.core.tensors import local_tensor
 
 from .decoder import FeedForward
 
-LOAD_BALANCE = ("aux_loss", "aux_free")  # aux_free: DeepSeek-V3's bias, no loss term
+LOAD_BALANCE = ("aux_loss", "aux_free")
+
+
+@dataclass(frozen=True)
+class Balancing:
+    """How an MoE model balances its experts (`model.load_balance`), asked by every reader rather
+    than compared by name: `aux_loss` adds the loss term above, weighted by router_aux_loss_coef;
+    `aux_free` (DeepSeek-V3's) routes with a selection bias moved toward under-loaded experts and
+    adds no loss."""
+
+    mode: str
+
+    @property
+    def adds_loss(self) -> bool:
+        return self.mode == "aux_loss"
+
+    @property
+    def routes_with_bias(self) -> bool:
+        return self.mode == "aux_free"
+
+    def unread_setting(self) -> tuple[str, str] | None:
+        """The [model] setting this mode does not read, and why (None for an unknown mode)."""
+        if self.adds_loss:
+            return "bias_update_rate", "moves no bias"
+        if self.routes_with_bias:
+            return "router_aux_loss_coef", "has no loss term"
+        return None
+
+
 _counted = [True]  # False while a forward is not a step's (a pipeline stage's shape inference)
 
 
@@ -206,7 +235,7 @@ class MoE(nn.Module):
         n_shared = getattr(args, "n_shared_experts", 0)
         # the shared experts, one SwiGLU as wide as all of them, see every token (not split over ep)
         self.shared_experts = FeedForward(args.dim, args.moe_dim * n_shared) if n_shared else None
-        self.aux_free = args.load_balance == "aux_free"
+        self.aux_free = Balancing(args.load_balance).routes_with_bias
         # DeepSeek-V3's selection bias (read under aux_free only; moved by `update_expert_bias`). Saved
         # whatever the balancing, so a checkpoint loads under either and a trained bias is never dropped
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))

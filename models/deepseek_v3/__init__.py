@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshforge.core.errors import Problem
 from meshforge.core.topology import ParallelDims
 
-from ..common.moe import unpicked_params
+from ..common.moe import Balancing, unpicked_params
 from ..common.spec import ModelSpec
 from .adapter import ADAPTER
 from .model import DeepseekV3Args, DeepseekV3Transformer
@@ -128,7 +128,7 @@ def check(a: DeepseekV3Args, dims: ParallelDims) -> list[Problem]:
         )
     if a.score_func not in ("sigmoid", "softmax"):
         problems.append(Problem("model.score_func", a.score_func, "one of sigmoid, softmax"))
-    if a.load_balance != "aux_free":
+    if not Balancing(a.load_balance).routes_with_bias:
         problems.append(
             Problem(
                 "model.load_balance",

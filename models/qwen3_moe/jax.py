@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ..common import jax_decoder
 from ..common.jax_decoder import apply_rope_half
-from ..common.moe import is_moe_layer
+from ..common.moe import Balancing, is_moe_layer
 from .model import Qwen3MoeArgs
 
 
@@ -22,7 +22,7 @@ def route(p: dict, prefix: str, x: jax.Array, args: Qwen3MoeArgs) -> jax.Array:
     logits = jax_decoder.linear(x, p[f"{prefix}.router.gate.weight"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     chooser = probs
-    if args.load_balance == "aux_free" and f"{prefix}.expert_bias" in p:
+    if Balancing(args.load_balance).routes_with_bias and f"{prefix}.expert_bias" in p:
         chooser = probs + p[f"{prefix}.expert_bias"].astype(jnp.float32)
     _, experts = jax.lax.top_k(chooser, args.num_experts_per_tok)  # (T, k)
     weights = jnp.take_along_axis(probs, experts, axis=-1)

@@ -381,16 +381,28 @@ def mode_strings_compared(path: Path, names: set[str]) -> list[int]:
     ]
 
 
-def test_no_ac_mode_string_is_compared_outside_its_policy(tmp_path):
-    """Every caller asks the policy (wraps_blocks, per_op, period, ...) what a mode does."""
+# Each policy's modes, asked of its type alone. migrate/ reads TorchTitan's and DeepSpeed's own
+# configs, whose mode names coincide with ours.
+POLICY_MODES = {
+    AC_POLICY_MODULE: AC_MODE_NAMES,  # ACPolicy
+    "meshforge.models.common.moe": {"aux_loss", "aux_free"},  # Balancing (model.load_balance)
+}
+
+
+@pytest.mark.parametrize("policy_module", sorted(POLICY_MODES))
+def test_no_policy_mode_string_is_compared_outside_its_type(policy_module):
+    """Every caller asks the policy (wraps_blocks, per_op, period, adds_loss, ...) what a mode does."""
     found = {
         name: lines
         for name, path in module_files().items()
-        if name != AC_POLICY_MODULE and not name.startswith("meshforge.migrate")
-        if (lines := mode_strings_compared(path, AC_MODE_NAMES))
+        if name != policy_module and not name.startswith("meshforge.migrate")
+        if (lines := mode_strings_compared(path, POLICY_MODES[policy_module]))
     }
     assert found == {}
-    planted = tmp_path / "planted.py"  # the check sees each shape of comparison
+
+
+def test_the_mode_check_sees_each_shape_of_comparison(tmp_path):
+    planted = tmp_path / "planted.py"
     planted.write_text('a = m == "op"\nb = m in ("none", "full")\nc = "memory_budget" != m\nd = m == "x"\n')
     assert mode_strings_compared(planted, AC_MODE_NAMES) == [1, 2, 3]
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshforge.core.errors import IncompatibleWeights
-from meshforge.models.common.moe import MoE, has_experts, moe_layers, update_expert_bias
+from meshforge.models.common.moe import Balancing, MoE, has_experts, moe_layers, update_expert_bias
 
 
 class MoEStats:
@@ -35,7 +35,7 @@ class MoEStats:
         (its coefficient over the sequences and MoE layers it is averaged over, times the fp16
         loss scale; 0 under aux-free balancing, which has no loss term)."""
         a = self.args
-        coef = a.router_aux_loss_coef if a.load_balance == "aux_loss" else 0.0
+        coef = a.router_aux_loss_coef if Balancing(a.load_balance).adds_loss else 0.0
         weight = coef * loss_scale / (self.sequences * self.n_moe)
         for moe in self.layers.values():
             moe.reset_stats()
@@ -44,7 +44,7 @@ class MoEStats:
     def check_restored(self, source: str) -> None:
         """A checkpoint whose selection bias was trained (aux-free balancing) cannot resume under the
         aux loss, which would route without it: refused, not dropped."""
-        if not self.enabled or self.args.load_balance == "aux_free":
+        if not self.enabled or Balancing(self.args.load_balance).routes_with_bias:
             return
         for i, moe in self.layers.items():
             if bool(moe.expert_bias.any()):
@@ -66,7 +66,7 @@ class MoEStats:
 
     def update_bias(self, stats: torch.Tensor) -> None:
         """Aux-free balancing: every layer's selection bias moves by the global loads."""
-        if self.args.load_balance != "aux_free":
+        if not Balancing(self.args.load_balance).routes_with_bias:
             return
         for i, moe in self.layers.items():
             update_expert_bias(moe, stats[i, : self.args.num_experts], self.args.bias_update_rate)
