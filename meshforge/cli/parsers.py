@@ -227,7 +227,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
         default=1,
         help="runs per trial (model and data seed +0..K-1); objective: their mean",
     )
-    sea.add_argument("--search-dir", default=None, help="folder (default: <output_dir>/search-<recipe>)")
+    sea.add_argument("--search-dir", default=None, help="folder (default: <output_dir>/<study>)")
     sea.add_argument(
         "--study", default=None, help="the study's name in the storage (default: search-<recipe>)"
     )

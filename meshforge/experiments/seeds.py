@@ -25,10 +25,19 @@ def point_of(run_name: str) -> str:
     return m["point"] if m else run_name
 
 
+def unfinished(runs: list[Run]) -> list[str]:
+    """Runs that did not finish (failed, pruned, preempted, still running): their last value is
+    an earlier step's, so the seeds' statistics leave them out."""
+    return [r.name for r in runs if r.info.get("status") != "finished"]
+
+
 def final_values(runs: list[Run], metric: str) -> dict[str, list[float]]:
-    """Each point's runs' last logged `metric`, by point (runs that never logged it left out)."""
+    """Each point's finished runs' last logged `metric`, by point (runs that never logged it, or did
+    not finish, left out)."""
     points: dict[str, list[float]] = {}
     for r in runs:
+        if r.name in unfinished([r]):
+            continue
         logged = [row[metric] for row in r.rows if metric in row]
         if logged:
             points.setdefault(point_of(r.name), []).append(float(logged[-1]))
@@ -109,6 +118,8 @@ def print_seeds(runs: list[Run], metrics: str, baseline: str | None, console: Co
         return False
     is_point = baseline in points and all(r.name != baseline for r in runs)
     console.print(seeds_table(points, metric, baseline if is_point else None))
+    if left_out := unfinished(runs):
+        console.print(f"left out (did not finish): {', '.join(left_out)}", highlight=False)
     path = folder / f"{metric.replace('/', '_')}_by_point.png"
     plot_spread(runs, metric).savefig(path, dpi=100)
     console.print(f"plot over seeds: {path}", highlight=False)

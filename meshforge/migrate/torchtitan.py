@@ -124,6 +124,15 @@ def _model(k: Keys, out: Imported, our_flavors: dict) -> tuple[int, bool | None]
         if (list(have) if isinstance(have, tuple) else have) != value:
             out.set(f"model.{field}", value)
     out.notes.extend(spec.adapter.torchtitan_notes)
+    limit, seq = spec.adapter.torchtitan_rope_until.get(flavor), k.take("training.seq_len", 2048)
+    k.put("training.seq_len", seq)  # read again with the other training keys
+    if limit is not None and seq > limit:
+        out.refuse(
+            "training.seq_len",
+            seq,
+            f"{name}/{flavor}: beyond {limit} tokens TorchTitan trains this flavor with YaRN RoPE and a "
+            f"scaled softmax, which the import does not map; import with training.seq_len <= {limit}",
+        )
     return want["n_layers"], has_experts(flavors[ours])
 
 

@@ -40,6 +40,9 @@ class StateDictAdapter:
     torchtitan_model: str | None = None
     torchtitan_flavors: dict[str, dict[str, Any]] = {}
     torchtitan_notes: tuple[str, ...] = ()  # how TorchTitan trains it where that is not a key
+    # TorchTitan flavor -> the longest training.seq_len it trains with the flavor's own RoPE (beyond
+    # it TorchTitan switches to a scaling the flavor does not carry: the import refuses)
+    torchtitan_rope_until: dict[str, int] = {}
 
     # MaxText (jax/maxtext.py): whether its query kernel carries 1/sqrt(head_dim), whether its
     # blocks hold q/k norms; `maxtext_block` gives the decoder-block config keys

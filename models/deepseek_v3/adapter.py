@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshforge.core.errors import IncompatibleWeights
+
 from ..common import hf_config as _hf_config
 from ..common.adapter import StateDictAdapter
 from ..common.hf_config import check_keys, expect, refuse, rope_of
@@ -182,9 +184,17 @@ class DeepseekV3Adapter(StateDictAdapter):
     torchtitan_model = "deepseek_v3"
     torchtitan_flavors = TORCHTITAN_FLAVORS
     torchtitan_notes = (TORCHTITAN_BALANCING,)
+    torchtitan_rope_until = {"16B": 4096}  # TorchTitan's YaRN (factor 40, mscale 0.7) starts beyond it
 
     def hf_config(self, a: DeepseekV3Args, dtype: str = "float32") -> dict:
         """config.json of the equivalent HF DeepseekV3ForCausalLM (no MTP module)."""
+        if a.score_func != "sigmoid":  # transformers' router has no softmax scoring
+            raise IncompatibleWeights(
+                f"model.score_func = {a.score_func!r}: transformers' DeepseekV3 routes by sigmoid scores "
+                "only, so the exported model would compute other logits; export a model trained with "
+                "score_func = sigmoid (the debug, 671b and kimi_k2 flavors), or keep this one in "
+                "meshforge or TorchTitan format (--to torchtitan)"
+            )
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": self.hf_model_type,

@@ -70,6 +70,7 @@ def run_json(tmp: Path, run: str) -> dict:
         ("train.steps=int(1,x)", "--space train.steps=int(1,x): bounds must be ints"),
         ("train.steps=choice(10,ten)", "--space train.steps: train.steps = 'ten': wrong type: expected int"),
         ("optimizer.lr=log(0,1)", "log needs LOW > 0; use float(...)"),
+        ("seed=int(0,9)", "--space seed: the search sets seed for every run itself (seeds: --seeds K"),
     ],
 )
 def test_a_bad_space_is_one_line_naming_it_and_the_fix(tmp_path, capsys, space, said):
@@ -291,3 +292,16 @@ def test_ctrl_c_stops_every_running_trial_cleanly_and_they_are_not_counted(tmp_p
         assert t.state == TrialState.FAIL and t.user_attrs["interrupted"] is True
         info = run_json(tmp_path, f"trial-{t.number:04d}")
         assert info["status"] == "preempted" and len(rows_of(tmp_path, f"trial-{t.number:04d}")) < 40
+
+
+def test_a_seed_that_did_not_finish_is_left_out_of_its_points_statistics():
+    """A pruned or failed seed's last value is an earlier step's: averaging it with finished seeds
+    would be a wrong number, so it is left out (and compare names it)."""
+    runs = [
+        compare.Run(
+            f"p-seed{i}", Path("."), {"status": status}, [{"step": 1, "loss": 9.0}, {"step": n, "loss": v}]
+        )
+        for i, (status, n, v) in enumerate([("finished", 20, 2.0), ("finished", 20, 2.2), ("pruned", 5, 6.0)])
+    ]
+    assert seeds.final_values(runs, "loss") == {"p": [2.0, 2.2]}
+    assert seeds.unfinished(runs) == ["p-seed2"]

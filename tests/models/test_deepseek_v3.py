@@ -6,6 +6,7 @@ parameter counts; what the family does not implement is refused by key, value an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="installed by .[all], 
 import torch  # noqa: E402
 
 from meshforge.convert import import_weights  # noqa: E402
-from meshforge.core.errors import UnsupportedConfig  # noqa: E402
+from meshforge.core.errors import IncompatibleWeights, UnsupportedConfig  # noqa: E402
 from meshforge.core.topology import ParallelDims  # noqa: E402
 from meshforge.models import MODELS, count_params, spec_of  # noqa: E402
 from meshforge.models.deepseek_v3 import active_params  # noqa: E402
@@ -141,10 +142,20 @@ def test_our_export_loads_in_transformers_and_round_trips_bit_exactly(tmp_path, 
     assert all(torch.equal(ours[k], back[k]) for k in back)
 
 
+def test_a_softmax_routed_model_is_not_exported_as_transformers_sigmoid_one(tmp_path):
+    """The 16b flavor (TorchTitan's, softmax scoring) would load in transformers and route by
+    sigmoid: refused before anything is written."""
+    args = dataclasses.replace(SPEC.flavors["debug"], score_func="softmax", n_group=1, topk_group=1)
+    with pytest.raises(IncompatibleWeights, match="score_func = 'softmax'"):
+        ADAPTER.save_hf({"norm.weight": torch.ones(args.dim)}, args, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def hf_counts(args) -> tuple[int, int]:
     """transformers' DeepseekV3ForCausalLM of `args`' config, built on the meta device: all its
     parameters, and those a token computes with (the routed experts it was not sent to left out)."""
-    cfg = {k: v for k, v in ADAPTER.hf_config(args).items() if k not in ("architectures", "torch_dtype")}
+    sigmoid = dataclasses.replace(args, score_func="sigmoid")  # the scoring has no parameters
+    cfg = {k: v for k, v in ADAPTER.hf_config(sigmoid).items() if k not in ("architectures", "torch_dtype")}
     with torch.device("meta"):
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg))
     total = sum(p.numel() for p in model.parameters())
@@ -282,7 +293,7 @@ def test_the_16b_recipe_plans_the_flavor_on_fsdp8_ep8():
 def test_torchtitans_16b_job_file_imports_to_the_16b_flavor_and_plans(tmp_path):
     from support import REPO
 
-    from meshforge.migrate import import_config
+    from meshforge.migrate import ImportRefused, import_config
     from meshforge.recipe import load_recipe
     from meshforge.run.rank.plan import make_plan
 
@@ -293,6 +304,14 @@ def test_torchtitans_16b_job_file_imports_to_the_16b_flavor_and_plans(tmp_path):
     assert make_plan(recipe).args == SPEC.flavors["16b"]  # no field overridden: the same model
     assert any("aux_free" in note for note in imported.notes)
 
+    # the same job at 8192 tokens: TorchTitan's YaRN, which the flavor does not carry, is refused
+    longer = tmp_path / "long.toml"
+    longer.write_text(job.read_text().replace("seq_len = 4096", "seq_len = 8192"))
+    with pytest.raises(ImportRefused) as e:
+        import_config(longer, tmp_path / "r2.toml", 8)
+    (refused,) = [s for s in e.value.imported.unsupported if s.key == "training.seq_len"]
+    assert refused.value == 8192 and "YaRN" in refused.why
+
 
 def test_the_jax_twin_is_refused_by_name():
     pytest.importorskip("jax", reason="the jax extra")
@@ -300,3 +319,14 @@ def test_the_jax_twin_is_refused_by_name():
 
     with pytest.raises(UnsupportedConfig, match="model.name = 'deepseek_v3': the JAX twin"):
         jax_twin(SPEC.flavors["debug"]).forward({}, None, SPEC.flavors["debug"])
+
+
+def test_mla_attention_flops_count_the_value_heads_at_their_own_width():
+    """MFU's attention term for MLA: query/key heads of 192, value heads of 128 (TorchTitan's
+    6 L H (qk + v) T), not the 12 L H Q T of heads whose values are as wide as their keys."""
+    from meshforge.run.observe.flops import flops_per_token
+
+    args = SPEC.flavors["16b"]
+    assert (args.head_dim, args.v_head_dim) == (192, 128)
+    attention = flops_per_token(args, 4096, 0) - flops_per_token(args, 0, 0)
+    assert attention == 6 * 27 * 16 * (192 + 128) * 4096

@@ -72,13 +72,12 @@ def run_search(
             "inside the allocation (several commands may share one --storage), or set sweep.launcher=local"
         )
     stem = Path(recipe_path).stem
-    search_dir = Path(search_dir or Path(base.output_dir) / f"search-{stem}").resolve()
+    study = study or f"search-{stem}"
+    search_dir = Path(search_dir or Path(base.output_dir) / study).resolve()  # a folder per study
     search_dir.mkdir(parents=True, exist_ok=True)
     url = storage or default_storage(search_dir)
     metric = objective_of(base.eval.every, objective)
-    opened = open_study(
-        url, study or f"search-{stem}", stem, direction, make_pruner(pruner, startup_trials), None
-    )
+    opened = open_study(url, study, stem, direction, make_pruner(pruner, startup_trials), None)
     killed = fail_killed_trials(opened)
     if killed:
         console.print(f"trials {', '.join(map(str, killed))}: their worker was killed; marked failed")

@@ -18,6 +18,19 @@ SPEC_FORMS = "log(1e-4,1e-2), float(0.0,0.1), int(0,200) or choice(a,b,...)"
 _SPEC = re.compile(r"^(log|float|int|choice)\((.*)\)$")
 
 
+# set by the search itself for every run (its seeds, folder and W&B grouping): a sampled value
+# would be recorded in the study and never used
+SET_BY_SEARCH = (
+    "seed",
+    "data.seed",
+    "output_dir",
+    "run_name",
+    "logging.wandb_group",
+    "logging.wandb_tags",
+    "logging.wandb_job_type",
+)
+
+
 def parse_space(items: list[str], recipe_path: str, overrides: list[str]) -> dict[str, od.BaseDistribution]:
     """Every `KEY=SPEC` as {key: distribution}; a malformed one, or a key the recipe does not have,
     raises a UsageError naming it and the fix."""
@@ -32,6 +45,12 @@ def parse_space(items: list[str], recipe_path: str, overrides: list[str]) -> dic
             raise UsageError(f"--space {item!r}: expected KEY=SPEC, e.g. optimizer.lr=log(1e-4,1e-2)")
         if key in space:
             raise UsageError(f"--space {key}: given twice; keep one")
+        if key in SET_BY_SEARCH:
+            raise UsageError(
+                f"--space {key}: the search sets {key} for every run itself (seeds: --seeds K; the "
+                "folder: --search-dir; W&B: the study's group), so a sampled value would never be used; "
+                "remove it"
+            )
         space[key] = parse_spec(key, spec.strip())
         check_field(key, space[key], recipe_path, overrides)
     return space

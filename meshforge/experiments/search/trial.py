@@ -20,6 +20,7 @@ from meshforge.experiments.search.space import as_override
 from meshforge.experiments.search.study import INTERRUPTED
 from meshforge.experiments.sweep import point_command
 from meshforge.run.observe.record import write_json_atomic
+from meshforge.run.observe.set_aside import set_aside_earlier_run
 
 
 @dataclass
@@ -66,6 +67,9 @@ def run_trial(search: Search, trial: optuna.Trial) -> Outcome:
             "logging.wandb_job_type=search-trial",
             "logging.progress=false",
         ]
+        # a folder of this name from another study (or a deleted study.db) is set aside now, as a
+        # rerun's would be, so the watch never reports that run's records as this trial's
+        set_aside_earlier_run(run_dir)
         watch = Watch(trial if i == 0 else None, run_dir / "metrics.jsonl", search.objective, search.stop)
         command = point_command(search.recipe_path, {"run_overrides": overrides})
         log = search.search_dir / f"{name}.log"

@@ -1,10 +1,11 @@
 """Model FLOPs per token, achieved FLOP/s, and MFU against the device's peak.
 
-FLOPs per trained token = 6 N + 12 L H Q T (PaLM, appendix B; TorchTitan uses the same):
-6 N for the forward and backward of every matmul weight (N = parameters without the
-input embedding, a lookup, and, in a mixture of experts, without the experts a token's router did
-not pick: its active parameters), plus the attention scores and weighted values, which scale
-with the sequence length T (L layers, H heads of size Q). Activation recomputation is
+FLOPs per trained token = 6 N + 6 L H (Q + V) T (PaLM, appendix B, where Q = V gives its
+12 L H Q T; TorchTitan uses the same): 6 N for the forward and backward of every matmul weight
+(N = parameters without the input embedding, a lookup, and, in a mixture of experts, without the
+experts a token's router did not pick: its active parameters), plus the attention scores (query and
+key heads of width Q) and weighted values (value heads of width V, MLA's narrower than Q), which
+scale with the sequence length T (L layers, H heads). Activation recomputation is
 not counted: MFU measures useful work.
 """
 
@@ -38,7 +39,8 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 def flops_per_token(args, seq_len: int, n_params: int) -> float:
     embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim  # a lookup, not a matmul
-    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    value_width = getattr(args, "v_head_dim", args.head_dim)  # a family's own, else its query width
+    attention = 6 * args.n_layers * args.n_heads * (args.head_dim + value_width) * seq_len
     return 6 * (n_params - embedding - unpicked_params(args)) + attention
 
 
