@@ -17,12 +17,13 @@ from meshforge.configs.schema import OptimizerConfig
 from meshforge.parallelisms.fsdp import DTYPES
 
 from .adamw import resolved_implementation
+from .kinds import param_kind
 
 log = logging.getLogger(__name__)
 
-# words in a parameter's name that send it to AdamW, and why (Muon is for hidden matrices)
+# the kinds of parameter (kinds.py) Muon leaves to AdamW, and why (Muon is for hidden matrices)
 TO_ADAMW = {
-    "embed": "an embedding is a lookup table, not a linear map",
+    "embedding": "an embedding is a lookup table, not a linear map",
     "output": "the output projection maps to the vocabulary; Muon's authors keep it on AdamW",
     "router": "a router's gate is kept on AdamW, as the embeddings and output are",
     "norm": "a norm's scale is a vector",
@@ -33,9 +34,8 @@ TO_ADAMW = {
 def adamw_reason(name: str, p: torch.Tensor) -> str | None:
     """Why Muon leaves the parameter `name` to AdamW (None: Muon orthogonalises it). 3-D
     parameters are stacks of matrices (grouped experts), orthogonalised one matrix at a time."""
-    for word, why in TO_ADAMW.items():
-        if word in name.lower():
-            return why
+    if why := TO_ADAMW.get(param_kind(name)):
+        return why
     if p.ndim not in (2, 3):
         return f"a {p.ndim}-D tensor is not a matrix (nor a stack of expert matrices)"
     return None

@@ -11,18 +11,10 @@ import torch
 from meshforge.configs.schema import LRSchedulerConfig, OptimizerConfig
 from meshforge.run.optimizers import OPTIMIZERS
 from meshforge.run.optimizers.adamw import fused_unavailable, resolved_implementation
+from meshforge.run.optimizers.kinds import param_kind
 from meshforge.run.optimizers.muon import adamw_reason
 
 __all__ = ["build_optimizer", "fused_unavailable", "resolved_implementation", "parameter_groups"]
-
-# a parameter's kind, by the first word of its name found here (else a hidden "matrix")
-KINDS = {"embed": "embedding", "output": "output", "router": "router", "norm": "norm", "bias": "bias"}
-
-
-def param_kind(name: str) -> str:
-    """embedding | output | router | norm | bias | matrix: what optimizer.no_decay and
-    optimizer.lr_multipliers name."""
-    return next((kind for word, kind in KINDS.items() if word in name.lower()), "matrix")
 
 
 def parameter_groups(named: list[tuple[str, torch.Tensor]], cfg: OptimizerConfig) -> list[dict]:
