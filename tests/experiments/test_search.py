@@ -181,7 +181,8 @@ def test_two_workers_write_one_sqlite_study_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_worker_leaves_a_study_the_next_command_continues(tmp_path):
-    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "1", "train.steps=30")
+    # the orphaned trial is long, so it is still running when the next command stops it
+    args = search(tmp_path, "--space", "optimizer.lr=log(1e-4,1e-2)", "--trials", "1", "train.steps=3000")
     worker = _meshforge(args, tmp_path)
     metrics = tmp_path / "search-debug_cpu/trial-0000/metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -204,7 +205,7 @@ def test_a_killed_worker_leaves_a_study_the_next_command_continues(tmp_path):
         time.sleep(0.5)
     info = run_json(tmp_path, "trial-0000")
     assert info["status"] == "preempted" and "stopped by SIGTERM" in info["error"], info["status"]
-    assert len(rows_of(tmp_path, "trial-0000")) < 30
+    assert len(rows_of(tmp_path, "trial-0000")) < 3000
     assert [t.state for t in rest] == [TrialState.COMPLETE]  # the killed one is not counted
 
 
