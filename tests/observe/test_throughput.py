@@ -90,16 +90,22 @@ def test_cpu_peak_is_one_ranks_share_of_the_cores(monkeypatch):
     assert flops.cpu_share(ranks_on_host=2, threads=8, cores=4) == 0.5  # 16 threads asked of 4 cores
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_peak_is_the_fastest_operand_layout(dtype):
+def test_the_cpu_peak_is_the_fastest_operand_layout(monkeypatch):
     """A training step's matmuls take their operands transposed or not (the forward A @ B^T, the
     weight gradient A^T @ B, the input gradient A @ B), and a CPU's bf16 kernels differ by 10-17x
-    between these: the MFU peak is the fastest of them, which no layout beats (A @ B alone made a
-    bf16 run's MFU 199%)."""
+    between these: the MFU peak is measured in the fastest of them (A @ B alone made a bf16 run's
+    MFU 199%). The timings are given here, so the choice is tested, not this machine's clock."""
     from meshforge.run.observe import flops
 
-    peak = flops.measure_cpu_matmul_flops(sizes=(256,), dtype=dtype)
-    a, b = torch.randn(256, 256, dtype=dtype), torch.randn(256, 256, dtype=dtype)
-    for product in (lambda: a @ b, lambda: a @ b.t(), lambda: a.t() @ b):
-        rate = 2 * 256**3 / flops._best_seconds(product, 3)
-        assert rate < 1.25 * peak, (dtype, rate / 1e9, peak / 1e9)  # timing noise: 25%
+    per_256 = {(False, False): 9.0, (False, True): 1.0, (True, False): 0.5, (True, True): 3.0}  # seconds
+
+    def product_of(n: int, layout: tuple[bool, bool]):
+        def product():
+            return None
+
+        product.seconds = per_256[layout] * (n / 256) ** 3
+        return product
+
+    assert flops.measure_cpu_matmul_flops(sizes=(64,), dtype=torch.bfloat16) > 0  # real products run
+    monkeypatch.setattr(flops, "_best_seconds", lambda product, repeats: product.seconds)
+    assert flops.peak_matmul_flops(product_of, sizes=(256, 512)) == 2 * 256**3 / 0.5
