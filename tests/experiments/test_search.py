@@ -306,3 +306,21 @@ def test_a_seed_that_did_not_finish_is_left_out_of_its_points_statistics():
     ]
     assert seeds.final_values(runs, "loss") == {"p": [2.0, 2.2]}
     assert seeds.unfinished(runs) == ["p-seed2"]
+
+
+def test_a_worker_that_finds_the_tables_half_made_by_another_tries_again(monkeypatch, tmp_path):
+    """Two workers opening a new SQLite study at once: the one that finds a table the other just
+    made ("table studies already exists", seen in a two-worker run) opens it on its next try."""
+    from meshforge.experiments.search import study
+
+    real, calls = optuna.storages.RDBStorage, []
+
+    def racing(url, **kw):
+        calls.append(url)
+        if len(calls) == 1:
+            raise RuntimeError("(sqlite3.OperationalError) table studies already exists")
+        return real(url, **kw)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", racing)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    assert isinstance(study._storage(url), real) and calls == [url, url]

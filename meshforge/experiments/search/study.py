@@ -75,15 +75,21 @@ def open_study(
     return study
 
 
+# what a worker reads when another is creating the same storage's tables at that moment
+RACED = ("locked", "already exists")
+
+
 def _storage(url: str, tries: int = 4) -> optuna.storages.RDBStorage:
     """Optuna's storage at `url`. Workers starting together race to create its tables (one gets
-    an IntegrityError, or finds the file locked): each try after the first finds them made."""
+    an IntegrityError, finds the file locked, or finds a table the other just made): each try
+    after the first finds them made."""
     for attempt in range(tries):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
         except Exception as e:  # SQLAlchemy's many kinds (no driver, refused, bad URL): said, not traced
             error = e
-            if not ("IntegrityError" in type(e).__name__ or "locked" in str(e)):
+            raced = "IntegrityError" in type(e).__name__ or any(s in str(e) for s in RACED)
+            if not raced:
                 break
             time.sleep(0.5 * (attempt + 1))
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
