@@ -60,10 +60,17 @@ def build(
     )
 
 
-def steady_state(group: dict, p: torch.Tensor) -> dict:
-    """AdamW's step counter and its two moments."""
+def initial_state(p: torch.Tensor, fused: bool) -> dict:
+    """AdamW's state for `p` as torch.optim.AdamW lays it out: the step counter (on the parameter's
+    device for the fused kernel, on the host otherwise) and the two moments."""
+    step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
     return {
-        "step": torch.tensor(0.0),
+        "step": step,
         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
     }
+
+
+def steady_state(group: dict, p: torch.Tensor) -> dict:
+    """AdamW's step counter and its two moments."""
+    return initial_state(p, fused=False)

@@ -16,6 +16,7 @@ from torch.optim.adam import adam
 from meshforge.configs.schema import OptimizerConfig
 from meshforge.parallelisms.fsdp import DTYPES
 
+from . import adamw
 from .adamw import resolved_implementation
 from .kinds import param_kind
 
@@ -112,13 +113,8 @@ class Muon(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             state = self.state[p]
-            if not state:  # as torch.optim.AdamW lays its state out
-                step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
-                state.update(
-                    step=step,
-                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
-                )
+            if not state:
+                state.update(adamw.initial_state(p, fused))
             if fused and state["step"].device != p.device:  # a loaded step stays on the host
                 state["step"] = state["step"].to(p.device, torch.float32)
             params.append(p)
@@ -201,9 +197,4 @@ def steady_state(group: dict, p: torch.Tensor) -> dict:
     """A matrix's momentum buffer; AdamW's state for the rest."""
     if group["use_muon"]:
         return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
-    step = torch.zeros((), device=p.device) if group["implementation"] == "fused" else torch.tensor(0.0)
-    return {
-        "step": step,
-        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-    }
+    return adamw.initial_state(p, fused=group["implementation"] == "fused")
